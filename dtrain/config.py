@@ -1,0 +1,160 @@
+"""The run configuration: small frozen groups, one source of defaults, loadable from TOML and
+overridable from the command line (every field is a flag: `lr` -> `--lr`)."""
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from models.errors import UserError
+
+
+def _field(default: Any, help: str, choices: tuple | None = None):
+    return attrs.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@attrs.frozen
+class ModelArgs:
+    model: str = _field("tiny", "model preset (see models/config.py)")
+
+
+@attrs.frozen
+class ParallelArgs:
+    mesh: str = _field("", "mesh sizes, e.g. tp=8,pp=8,cp=2; dp_shard (alias dp) takes the ranks left")
+    sequence_parallel: bool = _field(False, "split norms and residuals over tp along the sequence")
+    print_plan: bool = _field(False, "print every parameter's placements and local shape, then exit")
+
+
+@attrs.frozen
+class DataArgs:
+    data: str = _field("bundled", "'bundled' (the corpus shipped with dtrain), 'synthetic', or a text file")
+    tokenizer: str | None = _field(None, "a local Hugging Face tokenizer.json (default: the bundled one)")
+    seq_len: int = _field(256, "tokens per sample")
+    micro_batch: int = _field(4, "samples per micro-batch on each data-parallel rank")
+    global_batch: int = _field(16, "samples per optimizer step over all data-parallel ranks")
+
+
+@attrs.frozen
+class OptimArgs:
+    lr: float = _field(3e-3, "peak learning rate")
+    min_lr_ratio: float = _field(0.1, "final learning rate as a fraction of --lr")
+    warmup_steps: int = _field(20, "linear warm-up steps")
+    decay: str = _field("cosine", "decay after warm-up", choices=("cosine", "linear", "constant", "wsd"))
+    decay_fraction: float = _field(0.2, "wsd: fraction of the steps after warm-up spent decaying")
+    weight_decay: float = _field(0.1, "AdamW weight decay (not applied to norms and embeddings)")
+    beta1: float = _field(0.9, "AdamW beta1")
+    beta2: float = _field(0.95, "AdamW beta2")
+    eps: float = _field(1e-8, "AdamW epsilon")
+    grad_clip: float = _field(1.0, "global gradient-norm clipping threshold (0 disables)")
+
+
+@attrs.frozen
+class TrainArgs:
+    steps: int = _field(200, "optimizer steps")
+    seed: int = _field(0, "seed of initialisation and data order")
+    precision: str = _field("bf16", "compute precision (master weights and gradient reduction are fp32)",
+                            choices=("bf16", "fp32"))
+    compile: bool = _field(False, "torch.compile each transformer block")
+    recompute: str = _field("none", "activation recompute of blocks", choices=("none", "selective", "full"))
+    run_dir: str = _field("runs/default", "directory for the resolved config, TensorBoard files and log")
+    log_every: int = _field(1, "steps between console lines")
+
+
+@attrs.frozen
+class Config:
+    model: ModelArgs = ModelArgs()
+    parallel: ParallelArgs = ParallelArgs()
+    data: DataArgs = DataArgs()
+    optim: OptimArgs = OptimArgs()
+    train: TrainArgs = TrainArgs()
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return attrs.asdict(self)
+
+
+GROUPS = {f.name: f.type for f in attrs.fields(Config)}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_bool(text: str) -> bool:
+    return text.lower() in ("1", "true", "yes", "on")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dtrain.run",
+        description="Train a language model on any mesh. Every flag can also be set in --config FILE.toml "
+                    "under its group ([data], [optim], ...); flags win over the file.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--config", default=None, help="TOML file with [model], [parallel], [data], [optim], [train] tables")
+    for group_name, group_cls in GROUPS.items():
+        group = parser.add_argument_group(group_name)
+        for field in attrs.fields(group_cls):
+            # The default shown by --help; load_config parses with SUPPRESS so that only the flags
+            # given override the TOML file, and the attrs class stays the one source of defaults.
+            kwargs: dict[str, Any] = dict(dest=f"{group_name}.{field.name}", help=field.metadata["help"],
+                                          default=field.default)
+            if field.type is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = str if field.type == (str | None) else field.type
+                kwargs["choices"] = field.metadata["choices"]
+                kwargs["metavar"] = field.name.upper()
+            group.add_argument(_flag(field.name), **kwargs)
+    return parser
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file of --config, then the flags given."""
+    parser = build_parser()
+    for action in parser._actions:
+        if action.dest.count(".") == 1:
+            action.default = argparse.SUPPRESS
+    args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    values: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+    config_path = args.pop("config", None)
+    if config_path:
+        path = Path(config_path)
+        if not path.is_file():
+            raise UserError(f"--config {config_path}: no such file")
+        try:
+            loaded = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as error:
+            raise UserError(f"--config {config_path} is not valid TOML: {error}") from None
+        for group_name, table in loaded.items():
+            if group_name not in GROUPS or not isinstance(table, dict):
+                raise UserError(f"--config {config_path}: unknown table [{group_name}]; use {', '.join(GROUPS)}")
+            known = {f.name for f in attrs.fields(GROUPS[group_name])}
+            unknown = set(table) - known
+            if unknown:
+                raise UserError(f"--config {config_path}: unknown keys {sorted(unknown)} in [{group_name}]")
+            values[group_name].update(table)
+    for dest, value in args.items():
+        group_name, name = dest.split(".")
+        values[group_name][name] = value
+    return Config(**{name: GROUPS[name](**group_values) for name, group_values in values.items()})
+
+
+def to_toml(config: Config) -> str:
+    lines = []
+    for group_name, table in config.to_dict().items():
+        lines.append(f"[{group_name}]")
+        for key, value in table.items():
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""Throughput, MFU, memory, the console line and TensorBoard."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("dtrain")
+
+# Dense BF16 peak FLOP/s per GPU from the datasheets (never the sparsity figures), matched by name.
+PEAK_BF16_FLOPS = (
+    ("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("GH200", 989e12),
+    ("B200", 2250e12), ("B100", 1750e12), ("A100", 312e12), ("A800", 312e12),
+    ("L40S", 362e12), ("A10G", 70e12), ("MI300X", 1307e12), ("MI325X", 1307e12),
+)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense BF16 peak, or None (MFU is then not reported) when it is not known."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in name:
+            return flops
+    return None
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated GPU memory, or the peak resident memory of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kilobytes * (1 if sys.platform != "darwin" else 1 / 1024) / 1e6
+
+
+class MetricsLogger:
+    """Console lines on rank 0 and TensorBoard scalars under `run_dir/tensorboard`."""
+
+    def __init__(self, run_dir: Path, enabled: bool, peak: float | None, device: torch.device):
+        self.enabled = enabled
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            if peak is None:
+                kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+                logger.warning("MFU is not reported: no known peak FLOP/s for %s", kind)
+
+    def log(self, step: int, total_steps: int, scalars: dict[str, float], console: bool) -> None:
+        if not self.enabled:
+            return
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+        if console:
+            logger.info(format_line(step, total_steps, scalars))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def format_line(step: int, total_steps: int, s: dict[str, float]) -> str:
+    parts = [
+        f"step {step:>{len(str(total_steps))}}/{total_steps}",
+        f"loss {s['train/loss']:.4f}",
+        f"lr {s['train/lr']:.2e}",
+        f"grad norm {s['train/grad_norm']:.3f}",
+        f"tok/s/GPU {s['perf/tokens_per_sec_per_gpu']:,.0f}",
+    ]
+    if "perf/mfu" in s:
+        parts.append(f"MFU {s['perf/mfu']:.1f}%")
+    parts.append(f"mem {s['mem/peak_gb']:.2f} GB")
+    return " | ".join(parts)

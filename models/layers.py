@@ -1,0 +1,73 @@
+"""Building blocks shared by the model families: RMSNorm, RoPE, attention and SwiGLU sub-blocks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from models.config import RopeScaling
+from models.context import ModelContext
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Statistics in fp32 whatever the compute dtype: bf16 variance loses too many bits.
+    x_fp32 = x.float()
+    normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.type_as(x) * weight
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama-3.1 scaling of the long wavelengths."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.float()
+    low_freq_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, blended)
+    scaled = torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
+    return scaled.float()
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [seq, head_dim] for the given token positions (half-split layout)."""
+    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates [batch, seq, heads, head_dim] by the position angles (the rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    num_heads: int, num_kv_heads: int, ctx: ModelContext) -> torch.Tensor:
+    """Grouped-query self-attention: projections, RoPE, causal attention, output projection."""
+    batch, seq, _ = x.shape
+    head_dim = p["wq"].shape[0] // num_heads
+    q = ctx.linear(x, p["wq"]).view(batch, seq, num_heads, head_dim)
+    k = ctx.linear(x, p["wk"]).view(batch, seq, num_kv_heads, head_dim)
+    v = ctx.linear(x, p["wv"]).view(batch, seq, num_kv_heads, head_dim)
+    q = ctx.constrain(q, ("batch", "seq", "heads", "head_dim"), "attention")
+    k = ctx.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), "attention")
+    v = ctx.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), "attention")
+    cos, sin = rope
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out = ctx.attention(q, k, v)
+    return ctx.linear(out.reshape(batch, seq, num_heads * head_dim), p["wo"])
+
+
+def swiglu_block(p: dict, x: torch.Tensor, ctx: ModelContext) -> torch.Tensor:
+    gate = ctx.linear(x, p["w_gate"])
+    up = ctx.linear(x, p["w_up"])
+    return ctx.linear(torch.nn.functional.silu(gate) * up, p["w_down"])

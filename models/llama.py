@@ -1,0 +1,111 @@
+"""The Llama family as pure functions over a parameter tree.
+
+The model is the layer sequence `embed, block.0 .. block.{L-1}, head`; `layers(cfg)` returns it
+with each layer's parameter specs (shape, logical axes, init) and forward function.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import attrs
+import torch
+
+from models import spec
+from models.config import LlamaConfig
+from models.context import ModelContext
+from models.layers import attention_block, rms_norm, rope_frequencies, rope_table, swiglu_block
+
+RESIDUAL = ("batch", "seq", "embed")
+
+
+@attrs.frozen
+class Aux:
+    """What every layer of one micro-batch shares."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    labels: torch.Tensor | None = None
+
+
+def make_aux(cfg: LlamaConfig, positions: torch.Tensor, labels: torch.Tensor | None = None) -> Aux:
+    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return Aux(rope=rope_table(positions, inv_freq), labels=labels)
+
+
+def embed_forward(p: dict, tokens: torch.Tensor, aux: Aux, ctx: ModelContext) -> torch.Tensor:
+    tokens = ctx.constrain(tokens, ("batch", "seq"), "input")
+    return ctx.constrain(ctx.embedding(tokens, p["weight"]), RESIDUAL, "residual")
+
+
+def block_forward(p: dict, x: torch.Tensor, aux: Aux, ctx: ModelContext, *, cfg: LlamaConfig) -> torch.Tensor:
+    h = ctx.constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), RESIDUAL, "block_input")
+    attn = attention_block(p["attn"], h, aux.rope, cfg.num_heads, cfg.num_kv_heads, ctx)
+    x = x + ctx.constrain(attn, RESIDUAL, "residual")
+    h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
+    return x + ctx.constrain(swiglu_block(p["mlp"], h, ctx), RESIDUAL, "residual")
+
+
+def head_forward(p: dict, x: torch.Tensor, aux: Aux, ctx: ModelContext, *, cfg: LlamaConfig) -> torch.Tensor:
+    """Final norm, output projection and the summed cross-entropy against `aux.labels`."""
+    h = ctx.constrain(rms_norm(x, p["norm"], cfg.norm_eps), RESIDUAL, "block_input")
+    logits = ctx.constrain(ctx.linear(h, p["output"]), ("batch", "seq", "vocab"), "logits")
+    return ctx.cross_entropy_sum(logits, aux.labels)
+
+
+def layers(cfg: LlamaConfig) -> list[spec.Layer]:
+    std = cfg.init_std
+    # Projections into the residual stream are scaled down with depth (GPT-2 style) so the
+    # residual's variance does not grow with the number of layers.
+    out_std = std / math.sqrt(2 * cfg.num_layers)
+    hd, d = cfg.head_dim, cfg.dim
+    block_params = {
+        "attn_norm": spec.ones((d,), ("embed",)),
+        "attn": {
+            "wq": spec.normal((cfg.num_heads * hd, d), ("heads", "embed"), std),
+            "wk": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
+            "wv": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
+            "wo": spec.normal((d, cfg.num_heads * hd), ("embed", "heads"), out_std),
+        },
+        "mlp_norm": spec.ones((d,), ("embed",)),
+        "mlp": {
+            "w_gate": spec.normal((cfg.ffn_dim, d), ("mlp", "embed"), std),
+            "w_up": spec.normal((cfg.ffn_dim, d), ("mlp", "embed"), std),
+            "w_down": spec.normal((d, cfg.ffn_dim), ("embed", "mlp"), out_std),
+        },
+    }
+    embedding = spec.ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), "normal", std, weight_decay=False)
+    head_params: dict[str, Any] = {"norm": spec.ones((d,), ("embed",))}
+    tied = {}
+    if cfg.tie_embeddings:
+        tied = {"output": "embed.weight"}
+    else:
+        head_params["output"] = spec.normal((cfg.vocab_size, d), ("vocab", "embed"), d**-0.5)
+    return [
+        spec.Layer("embed", {"weight": embedding}, embed_forward),
+        *(
+            spec.Layer(f"blocks.{i}", block_params, functools.partial(block_forward, cfg=cfg))
+            for i in range(cfg.num_layers)
+        ),
+        spec.Layer("head", head_params, functools.partial(head_forward, cfg=cfg), tied=tied),
+    ]
+
+
+def forward(params: dict[str, Any], tokens: torch.Tensor, labels: torch.Tensor, cfg: LlamaConfig,
+            ctx: ModelContext) -> torch.Tensor:
+    """The whole model on a parameter tree keyed like `layers(cfg)`: summed loss over the labels."""
+    aux = make_aux(cfg, torch.arange(tokens.shape[1], device=tokens.device), labels)
+    x = tokens
+    for layer in layers(cfg):
+        layer_params = dict(_lookup(params, layer.name))
+        for path, source in layer.tied.items():
+            layer_params[path] = _lookup(params, source)
+        x = layer.forward(layer_params, x, aux, ctx)
+    return x
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    for key in dotted.split("."):
+        tree = tree[key]
+    return tree

@@ -1,0 +1,1 @@
+"""The DTensor backend: mesh, sharding plan, and one module per parallel dimension."""

@@ -1,0 +1,69 @@
+"""The parallel meaning of the model context: DTensor layouts from the plan, kernel choice per device."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from models.context import LocalContext, causal_attention
+from parallel.plan import Plan
+
+# cuDNN attention is the fastest on Hopper (BENCHMARKS.md), flash next. The memory-efficient
+# kernel is left out: it is slow and gives wrong gradients under load-balanced context parallelism.
+CUDA_ATTENTION_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+class ParallelContext(LocalContext):
+    """Constrains activations to the plan's layout; runs local kernels on the local shards."""
+
+    def __init__(self, plan: Plan, mesh: DeviceMesh):
+        self.plan = plan
+        dims = plan.activation_mesh_dims
+        self.activation_mesh = mesh[dims] if dims else None
+
+    def constrain(self, x, axes, region):
+        if self.activation_mesh is None:
+            return x
+        placements = self.plan.activation_placements(axes, region)
+        if not isinstance(x, DTensor):
+            # A plain tensor here is this rank's input rows, the same on every tp/cp rank.
+            return DTensor.from_local(x, self.activation_mesh, placements, run_check=False)
+        if tuple(x.placements) != placements:
+            x = x.redistribute(self.activation_mesh, placements)
+        return x
+
+    def attention(self, q, k, v):
+        if not isinstance(q, DTensor):
+            return causal_attention(q, k, v)
+        # Heads are split over tp: each rank attends with its own heads, no communication.
+        out = causal_attention(q.to_local(), k.to_local(), v.to_local())
+        return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+
+    def cross_entropy_sum(self, logits, labels):
+        if not isinstance(logits, DTensor):
+            return super().cross_entropy_sum(logits, labels)
+        replicated = [Replicate()] * logits.device_mesh.ndim
+        labels = DTensor.from_local(labels, logits.device_mesh, replicated, run_check=False)
+        # Under kernel_scope's loss_parallel the vocab stays split: each rank reduces over its
+        # slice and full logits never exist on one rank.
+        loss = F.cross_entropy(
+            logits.flatten(0, -2).float(), labels.flatten(), reduction="sum", ignore_index=-100
+        )
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    @contextlib.contextmanager
+    def kernel_scope(self):
+        """Wraps forward and backward: kernel preferences (read when torch.compile traces too)
+        and vocab-parallel cross-entropy, whose backward must run inside the same scope."""
+        with contextlib.ExitStack() as stack:
+            if torch.cuda.is_available():
+                stack.enter_context(sdpa_kernel(CUDA_ATTENTION_PRIORITY, set_priority=True))
+            if self.activation_mesh is not None:
+                stack.enter_context(loss_parallel())
+            yield

@@ -1,0 +1,99 @@
+"""Parsing `--mesh` strings and building the named DeviceMesh.
+
+Mesh dims run from outermost (slowest links) to innermost: pp, dp_replicate, dp_shard, cp, tp.
+Expert parallelism does not add ranks: `ep` borrows them from dp_shard x cp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from models.errors import UserError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+MESH_KEYS = (*MESH_DIMS, "ep")
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+_ALIASES = {"dp": "dp_shard"}
+
+
+@attrs.frozen
+class MeshSpec:
+    """Sizes of each mesh dim; their product (without ep) is the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def parse(cls, text: str, world_size: int | None) -> MeshSpec:
+        """`tp=8,pp=8,cp=2` -> MeshSpec; dp_shard (alias dp) takes whatever the world size leaves
+        (with `world_size=None`, the world is the product of the sizes given, dp_shard 1 if absent)."""
+        sizes: dict[str, int] = {}
+        for item in filter(None, (part.strip() for part in (text or "").split(","))):
+            key, sep, value = item.partition("=")
+            key = _ALIASES.get(key.strip(), key.strip())
+            if not sep or key not in MESH_KEYS:
+                raise UserError(
+                    f"bad mesh entry {item!r} in --mesh {text!r}; use KEY=SIZE with KEY one of "
+                    f"{', '.join(MESH_KEYS)} (dp is short for dp_shard), e.g. --mesh dp=2,tp=4"
+                )
+            if key in sizes:
+                raise UserError(f"mesh key {key!r} is given twice in --mesh {text!r}")
+            try:
+                sizes[key] = int(value)
+            except ValueError:
+                raise UserError(f"mesh size {value!r} for {key!r} is not an integer") from None
+            if sizes[key] < 1:
+                raise UserError(f"mesh size {key}={sizes[key]} must be >= 1")
+        fixed = math.prod(size for key, size in sizes.items() if key not in ("dp_shard", "ep"))
+        if world_size is None:
+            world_size = fixed * sizes.get("dp_shard", 1)
+        if "dp_shard" not in sizes:
+            if world_size % fixed:
+                raise UserError(
+                    f"--mesh {text!r} needs a multiple of {fixed} ranks but the world size is "
+                    f"{world_size}; change the mesh or the number of processes"
+                )
+            sizes["dp_shard"] = world_size // fixed
+        spec = cls(**sizes)
+        if spec.world_size != world_size:
+            raise UserError(
+                f"--mesh {text!r} spans {spec.world_size} ranks but the world size is {world_size}; "
+                f"make the product of the mesh sizes equal the number of processes"
+            )
+        if (spec.dp_shard * spec.cp) % spec.ep:
+            raise UserError(
+                f"ep={spec.ep} must divide dp_shard x cp = {spec.dp_shard} x {spec.cp}, the ranks "
+                f"expert parallelism borrows; change ep or the data/context sizes"
+            )
+        return spec
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(getattr(self, dim) for dim in MESH_DIMS)
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def sizes(self) -> dict[str, int]:
+        return {dim: getattr(self, dim) for dim in MESH_DIMS}
+
+    def __str__(self) -> str:
+        return ",".join(f"{key}={getattr(self, key)}" for key in MESH_KEYS if getattr(self, key) > 1) or "single"
+
+
+def build_device_mesh(spec: MeshSpec, device_type: str) -> DeviceMesh:
+    """The named mesh over the default process group, every dim present (size-1 dims included)."""
+    return init_device_mesh(device_type, tuple(spec.sizes().values()), mesh_dim_names=MESH_DIMS)
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,88 @@
+"""Thin nn.Module containers around the functional layers, for the torch APIs that need modules
+(FSDP2, pipeline stages, checkpoint state dicts). No math lives here.
+
+Parameter names follow the layer sequence: `embed.weight`, `blocks.3.attn.wq`, `head.output`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from models import spec
+from models.context import ModelContext
+
+MakeParam = Callable[[str, spec.ParamSpec], nn.Parameter]
+
+
+def _register_tree(module: nn.Module, params: dict[str, Any], make_param: MakeParam, prefix: str) -> None:
+    for key, value in params.items():
+        path = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            child = nn.Module()
+            _register_tree(child, value, make_param, path)
+            module.add_module(key, child)
+        else:
+            module.register_parameter(key, make_param(path, value))
+
+
+def _read_tree(module: nn.Module) -> dict[str, Any]:
+    # Read at call time: FSDP swaps the registered parameters between sharded and unsharded ones.
+    tree: dict[str, Any] = {name: p for name, p in module.named_parameters(recurse=False)}
+    for name, child in module.named_children():
+        tree[name] = _read_tree(child)
+    return tree
+
+
+class LayerModule(nn.Module):
+    """One layer of the sequence: its parameters, and its forward function called on them."""
+
+    def __init__(self, layer: spec.Layer, make_param: MakeParam, ctx: ModelContext):
+        super().__init__()
+        _register_tree(self, layer.params, make_param, layer.name)
+        self.layer_name = layer.name
+        self.ctx = ctx
+        self.forward_fn = layer.forward  # recompute and compile wrap this
+        self.tied_sources: list[tuple[str, Callable[[], torch.Tensor]]] = []
+
+    def param_tree(self) -> dict[str, Any]:
+        tree = _read_tree(self)
+        for path, read in self.tied_sources:
+            tree[path] = read()
+        return tree
+
+    def forward(self, x: torch.Tensor, aux: Any) -> torch.Tensor:
+        return self.forward_fn(self.param_tree(), x, aux, self.ctx)
+
+
+class ModelModule(nn.Module):
+    """The layer sequence: `embed`, `blocks` (keyed by layer index), `head`."""
+
+    def __init__(self, layers: list[spec.Layer], make_param: MakeParam, ctx: ModelContext):
+        super().__init__()
+        self.specs = {f"{layer.name}.{path}": s for layer in layers for path, s in spec.flatten(layer.params)}
+        modules = {layer.name: LayerModule(layer, make_param, ctx) for layer in layers}
+        self.embed = modules.pop("embed")
+        self.head = modules.pop("head")
+        self.blocks = nn.ModuleDict({name.split(".", 1)[1]: m for name, m in modules.items()})
+        for layer in layers:
+            for path, source in layer.tied.items():
+                owner_name, param_name = source.rsplit(".", 1)
+                owner = self.get_submodule(owner_name)
+                # Not registered twice: the head reads the embedding's current parameter.
+                self.get_submodule(layer.name).tied_sources.append(
+                    (path, lambda owner=owner, name=param_name: getattr(owner, name))
+                )
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.head.tied_sources)
+
+    def forward(self, tokens: torch.Tensor, aux: Any) -> torch.Tensor:
+        x = self.embed(tokens, aux)
+        for block in self.blocks.values():
+            x = block(x, aux)
+        return self.head(x, aux)

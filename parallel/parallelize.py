@@ -1,0 +1,51 @@
+"""From layer specs to a model laid out on the mesh, in the order the steps must happen:
+parameters placed for the model-parallel dims (on `meta`), recompute, compile, data parallelism,
+then real memory and the mesh-independent initial values."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from models import spec
+from parallel import data_parallel, recompute
+from parallel.context import ParallelContext
+from parallel.modules import ModelModule
+from parallel.plan import Plan
+
+
+def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, device: torch.device,
+                seed: int, compute_dtype: torch.dtype, recompute_mode: str = "none",
+                compile_blocks: bool = False) -> tuple[ModelModule, ParallelContext]:
+    ctx = ParallelContext(plan, mesh)
+    param_mesh = mesh[plan.param_mesh_dims] if plan.param_mesh_dims else None
+
+    def make_param(path: str, param: spec.ParamSpec) -> nn.Parameter:
+        value = torch.empty(param.shape, device="meta")
+        if param_mesh is not None:
+            value = distribute_tensor(value, param_mesh, plan.param_placements(param.axes), src_data_rank=None)
+        return nn.Parameter(value)
+
+    model = ModelModule(layers, make_param, ctx)
+    for block in model.blocks.values():
+        block.forward_fn = recompute.wrap(block.forward_fn, recompute_mode)
+        if compile_blocks:
+            block.forward_fn = torch.compile(block.forward_fn)
+    data_parallel.apply_fsdp(model, mesh, plan, compute_dtype=compute_dtype)
+    model.to_empty(device=device)
+    init_parameters(model, seed)
+    return model, ctx
+
+
+@torch.no_grad()
+def init_parameters(model: ModelModule, seed: int) -> None:
+    """Each rank draws the full value of each parameter and keeps its own shard of it."""
+    for name, param in model.named_parameters():
+        full = spec.init_value(model.specs[name], seed, name, device=param.device)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(full)

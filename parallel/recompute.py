@@ -1,0 +1,48 @@
+"""Activation recompute of blocks: none, selective (keep matmul and attention outputs, recompute
+the cheap element-wise ops and norms) or full (keep only the block input)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from models.errors import UserError
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+_aten = torch.ops.aten
+_SAVED_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten._scaled_mm.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_keep_expensive)
+
+
+def wrap(forward: Callable, mode: str) -> Callable:
+    if mode not in RECOMPUTE_MODES:
+        raise UserError(f"unknown --recompute {mode!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    if mode == "none":
+        return forward
+    context_fn = _selective_contexts if mode == "selective" else None
+    kwargs = {"context_fn": context_fn} if context_fn else {}
+
+    @functools.wraps(forward)
+    def recomputed(*args):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return recomputed
