@@ -71,8 +71,8 @@ def print_plan(config: Config) -> None:
     print(plan.describe(llama.layers(model_cfg)))
 
 
-def train(config: Config) -> list[float]:
-    """Runs the configured training; returns the loss of every step (on every rank)."""
+def train(config: Config) -> list[dict[str, float]]:
+    """Runs the configured training; returns every step's scalars (the loss on every rank)."""
     validate(config, distributed.world_size_from_env())
     runtime = distributed.init_process_group()
     try:
@@ -81,7 +81,7 @@ def train(config: Config) -> list[float]:
         distributed.shutdown()
 
 
-def _train(config: Config, runtime: distributed.Runtime) -> list[float]:
+def _train(config: Config, runtime: distributed.Runtime) -> list[dict[str, float]]:
     mesh_spec, model_cfg = validate(config, runtime.world_size)
     d, t = config.data, config.train
     run_dir = Path(t.run_dir)
@@ -115,7 +115,7 @@ def _train(config: Config, runtime: distributed.Runtime) -> list[float]:
                     sum(math.prod(s.shape) for s in model.specs.values()) / 1e6, mesh_spec,
                     runtime.world_size, runtime.device.type)
 
-    losses = []
+    history = []
     for step in range(t.steps):
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=runtime.device)
@@ -137,7 +137,6 @@ def _train(config: Config, runtime: distributed.Runtime) -> list[float]:
         elapsed = time.perf_counter() - start
         if not math.isfinite(loss):
             raise UserError(f"the loss is {loss} at step {step + 1}; lower --lr or check the data")
-        losses.append(loss)
         tokens_per_sec_per_gpu = global_tokens / elapsed / runtime.world_size
         scalars = {
             "train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm.item(),
@@ -146,6 +145,7 @@ def _train(config: Config, runtime: distributed.Runtime) -> list[float]:
         }
         if peak is not None:
             scalars["perf/mfu"] = 100.0 * flops_per_token * tokens_per_sec_per_gpu / peak
+        history.append(scalars)
         metrics.log(step + 1, t.steps, scalars, console=(step + 1) % t.log_every == 0 or step + 1 == t.steps)
     metrics.close()
-    return losses
+    return history

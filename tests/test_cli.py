@@ -1,0 +1,52 @@
+"""The command line: bad input fails early with one line that says what to change; --print-plan."""
+
+import pytest
+
+from dtrain.run import main
+from tests.launch import TINY_ARGS, run_cli
+
+BAD_INPUTS = [
+    (["--mesh", "tq=2"], "bad mesh entry 'tq=2'"),
+    (["--mesh", "tp=0"], "tp=0 must be >= 1"),
+    (["--mesh", "dp=-2"], "dp_shard=-2 must be >= 1"),
+    (["--mesh", "dp=2"], "spans 2 ranks but the world size is 1"),
+    (["--mesh", "tp=3", "--print-plan"], "num_heads=4, not divisible by tp=3"),
+    (["--global-batch", "7"], "--global-batch 7 is not divisible by --micro-batch 2"),
+    (["--seq-len", "0"], "--seq-len 0 must be >= 1"),
+    (["--model", "llama-9000"], "unknown model 'llama-9000'"),
+    (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+    (["--tokenizer", "/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD_INPUTS, ids=[" ".join(e) for e, _ in BAD_INPUTS])
+def test_bad_input_is_one_clear_line(extra, message, tmp_path, capsys):
+    code = main([*TINY_ARGS, "--run-dir", str(tmp_path / "run"), *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("dtrain: error: ") and "\n" not in err, err
+    assert message in err, err
+    # Rejected before any work: not even the run directory was made.
+    assert not (tmp_path / "run").exists()
+
+
+def test_user_error_exits_without_traceback(tmp_path):
+    result = run_cli([*TINY_ARGS, "--run-dir", str(tmp_path), "--mesh", "pp=0"])
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == ["dtrain: error: mesh size pp=0 must be >= 1"]
+
+
+def test_diverging_loss_stops_with_clear_error(tmp_path, capsys):
+    code = main([*TINY_ARGS, "--run-dir", str(tmp_path), "--lr", "1e30", "--warmup-steps", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "lower --lr" in err, err
+
+
+def test_print_plan_shows_placements_without_a_world(capsys):
+    assert main(["--model", "llama3-8b", "--mesh", "dp=4,tp=2", "--print-plan"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh: dp_shard=4,tp=2 (world size 8)" in out
+    row = next(line for line in out.splitlines() if line.startswith("blocks.0.mlp.w_down"))
+    # [4096, 14336]: tp splits the input dim (14336 / 2), FSDP dim 0 over dp_shard (4096 / 4).
+    assert row.split()[1:] == ["embed,mlp", "dp_shard:S(0)", "tp:S(1)", "4096x14336", "1024x7168"]

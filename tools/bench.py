@@ -1,0 +1,116 @@
+"""Benchmark a model and mesh on synthetic data; prints one JSON line per run.
+
+    python -m tools.bench --shape llama-1b --steps 30 -- --compile
+    torchrun --nproc_per_node 2 -m tools.bench --shape llama-8b -- --mesh dp=2
+
+Throughput is the median over the steps after `--warmup` (compilation excluded); MFU follows
+BENCHMARKS.md. Arguments after `--` go to dtrain's own CLI (`python -m dtrain.run --help`).
+`--table FILE` renders the JSON lines of FILE as the README's markdown table instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# Named shapes: model preset and the data shape that BENCHMARKS.md measures it with.
+SHAPES = {
+    "llama-1b": ["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "4"],
+    "llama-8b": ["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1"],
+    "tiny": ["--model", "tiny", "--seq-len", "256", "--micro-batch", "4"],
+}
+
+
+def _commit() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(shape: str, steps: int, warmup: int, extra: list[str]) -> dict | None:
+    import torch
+
+    from dtrain.config import load_config
+    from dtrain.train import train
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    argv = [*SHAPES[shape], "--data", "synthetic", "--steps", str(steps), "--warmup-steps", "2",
+            "--run-dir", f"runs/bench-{shape}"]
+    # Unless given, one micro-batch per rank per step.
+    if "--global-batch" not in extra:
+        micro = int(SHAPES[shape][SHAPES[shape].index("--micro-batch") + 1])
+        mb = int(extra[extra.index("--micro-batch") + 1]) if "--micro-batch" in extra else micro
+        argv += ["--global-batch", str(mb * world_size)]
+    config = load_config(argv + extra)
+    history = train(config)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    timed = history[warmup:]
+    tok = statistics.median(h["perf/tokens_per_sec_per_gpu"] for h in timed)
+    result = {
+        "shape": shape, "model": config.model.model, "mesh": config.parallel.mesh or "single",
+        "gpus": world_size, "seq_len": config.data.seq_len, "micro_batch": config.data.micro_batch,
+        "global_batch": config.data.global_batch, "precision": config.train.precision,
+        "compile": config.train.compile, "recompute": config.train.recompute,
+        "tokens_per_sec_per_gpu": round(tok, 1),
+        "median_step_s": round(config.data.global_batch * config.data.seq_len / tok / world_size, 4),
+        "mfu_pct": round(statistics.median(h["perf/mfu"] for h in timed), 2) if "perf/mfu" in timed[0] else None,
+        "peak_mem_gb": round(max(h["mem/peak_gb"] for h in timed), 2),
+        "final_loss": round(history[-1]["train/loss"], 4), "steps": steps, "warmup": warmup,
+        "args": extra, "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "commit": _commit(), "date": datetime.date.today().isoformat(),
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def table(path: Path) -> str:
+    """The README table from JSON lines written by this tool."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    lines = ["| shape | GPUs | mesh | seq | micro/global batch | precision | options | tok/s/GPU | MFU | peak mem/GPU | date, commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        options = " ".join(a for a in r["args"] if a not in ("--mesh", r["mesh"])) or "-"
+        mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "-"
+        lines.append(
+            f"| {r['shape']} | {r['gpus']}x {r['device'].replace('NVIDIA ', '')} | {r['mesh']} | {r['seq_len']} | "
+            f"{r['micro_batch']}/{r['global_batch']} | {r['precision']} | {options} | "
+            f"{r['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {r['peak_mem_gb']:.1f} GB | {r['date']}, {r['commit']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        extra = argv[argv.index("--") + 1:]
+        argv = argv[:argv.index("--")]
+    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
+    parser.add_argument("--table", type=Path, help="print the markdown table of a JSON-lines file and exit")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
+    if args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    run(args.shape, args.steps, args.warmup, extra)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
