@@ -2,6 +2,7 @@
 overridable from the command line (every field is a flag: `lr` -> `--lr`)."""
 
 import argparse
+import json
 import sys
 import tomllib
 from pathlib import Path
@@ -113,11 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_config(argv: list[str] | None = None) -> Config:
     """Defaults, then the TOML file of --config, then the flags given."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        build_parser().parse_args(["--help"])  # prints the defaults and exits
     parser = build_parser()
     for action in parser._actions:
         if action.dest.count(".") == 1:
             action.default = argparse.SUPPRESS
-    args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    args = vars(parser.parse_args(argv))
     values: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
     config_path = args.pop("config", None)
     if config_path:
@@ -135,11 +139,20 @@ def load_config(argv: list[str] | None = None) -> Config:
             unknown = set(table) - known
             if unknown:
                 raise UserError(f"--config {config_path}: unknown keys {sorted(unknown)} in [{group_name}]")
+            for key, value in table.items():
+                _check_type(GROUPS[group_name], key, value, config_path)
             values[group_name].update(table)
     for dest, value in args.items():
         group_name, name = dest.split(".")
         values[group_name][name] = value
     return Config(**{name: GROUPS[name](**group_values) for name, group_values in values.items()})
+
+
+def _check_type(group_cls: type, key: str, value: Any, source: str) -> None:
+    field = attrs.fields_dict(group_cls)[key]
+    expected = {str | None: (str,), float: (int, float)}.get(field.type, (field.type,))
+    if isinstance(value, bool) and field.type is not bool or not isinstance(value, expected):
+        raise UserError(f"--config {source}: {key} = {value!r} should be of type {field.type.__name__ if isinstance(field.type, type) else 'str'}")
 
 
 def to_toml(config: Config) -> str:
@@ -152,7 +165,7 @@ def to_toml(config: Config) -> str:
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+                text = json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
             else:
                 text = repr(value)
             lines.append(f"{key} = {text}")

@@ -32,7 +32,8 @@ def lr_multiplier(step: int, total_steps: int, args: OptimArgs) -> float:
     to `min_lr_ratio` by `args.decay` (cosine, linear, constant, or wsd = warmup-stable-decay)."""
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
-    decay_steps = max(total_steps - args.warmup_steps, 1)
+    # The last update (step total_steps - 1) runs at the minimum.
+    decay_steps = max(total_steps - 1 - args.warmup_steps, 1)
     progress = min((step - args.warmup_steps) / decay_steps, 1.0)
     low = args.min_lr_ratio
     if args.decay == "constant":

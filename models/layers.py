@@ -61,7 +61,7 @@ def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Te
     q = ctx.constrain(q, ("batch", "seq", "heads", "head_dim"), "attention")
     k = ctx.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), "attention")
     v = ctx.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), "attention")
-    cos, sin = rope
+    cos, sin = (ctx.constrain(t, ("seq", "head_dim"), "attention") for t in rope)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out = ctx.attention(q, k, v)
     return ctx.linear(out.reshape(batch, seq, num_heads * head_dim), p["wo"])

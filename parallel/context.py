@@ -7,7 +7,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -37,6 +38,22 @@ class ParallelContext(LocalContext):
         if tuple(x.placements) != placements:
             x = x.redistribute(self.activation_mesh, placements)
         return x
+
+    def embedding(self, tokens, weight):
+        if not isinstance(weight, DTensor):
+            return super().embedding(tokens, weight)
+        ids = tokens.to_local() if isinstance(tokens, DTensor) else tokens
+        local_weight = weight.to_local()
+        rows, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        # Vocab-parallel lookup: each rank fills the rows of the ids it holds and zeros elsewhere;
+        # the sum over the vocab shards (an all-reduce, or a reduce-scatter under SP) completes it.
+        outside = (ids < offset[0]) | (ids >= offset[0] + rows[0])
+        out = F.embedding((ids - offset[0]).masked_fill(outside, 0), local_weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        vocab_dims = {weight.device_mesh.mesh_dim_names[i] for i, p in enumerate(weight.placements) if p.is_shard(0)}
+        mesh = self.activation_mesh
+        placements = [Partial() if name in vocab_dims else Replicate() for name in mesh.mesh_dim_names]
+        return DTensor.from_local(out, mesh, placements, run_check=False)
 
     def attention(self, q, k, v):
         if not isinstance(q, DTensor):

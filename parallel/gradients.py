@@ -20,7 +20,9 @@ def _sharded_dims(grad: torch.Tensor) -> tuple[tuple[int, ...], DeviceMesh | Non
     if not isinstance(grad, DTensor):
         return (), None
     mesh = grad.device_mesh
-    dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard() and mesh.size(i) > 1)
+    assert not any(p.is_partial() for p in grad.placements), grad.placements
+    # Anything not replicated is a split: Shard, and the _StridedShard FSDP uses on top of TP.
+    dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate() and mesh.size(i) > 1)
     return dims, mesh
 
 
