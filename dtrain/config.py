@@ -20,12 +20,15 @@ def _field(default: Any, help: str, choices: tuple | None = None):
 @attrs.frozen
 class ModelArgs:
     model: str = _field("tiny", "model preset (see models/config.py)")
+    model_overrides: str = _field("", "changes to the preset's shape, e.g. num_layers=2,vocab_size=1000")
 
 
 @attrs.frozen
 class ParallelArgs:
     mesh: str = _field("", "mesh sizes, e.g. tp=8,pp=8,cp=2; dp_shard (alias dp) takes the ranks left")
     sequence_parallel: bool = _field(False, "split norms and residuals over tp along the sequence")
+    async_tp: bool = _field(False, "overlap tp all-gathers/reduce-scatters with matmuls (needs --compile, "
+                                   "--sequence-parallel and CUDA)")
     print_plan: bool = _field(False, "print every parameter's placements and local shape, then exit")
 
 

@@ -31,15 +31,18 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     """Every check that needs no memory, so a bad input fails before any work is done."""
-    model_cfg = get_model_config(config.model.model)
+    model_cfg = get_model_config(config.model.model, config.model.model_overrides)
     mesh_spec = MeshSpec.parse(config.parallel.mesh, world_size)
-    tp = mesh_spec.tp
-    for name, heads in (("num_heads", model_cfg.num_heads), ("num_kv_heads", model_cfg.num_kv_heads)):
-        if heads % tp:
-            raise UserError(
-                f"model {config.model.model} has {name}={heads}, not divisible by tp={tp}; "
-                f"choose a tp that divides {heads}"
-            )
+    tp, heads, kv_heads = mesh_spec.tp, model_cfg.num_heads, model_cfg.num_kv_heads
+    if heads % tp:
+        raise UserError(
+            f"model {config.model.model} has num_heads={heads}, not divisible by tp={tp}; choose a tp that divides {heads}"
+        )
+    if kv_heads % tp and tp % kv_heads:
+        raise UserError(
+            f"model {config.model.model} has num_kv_heads={kv_heads} and tp={tp}: one must divide the "
+            f"other (KV heads are split, or replicated over groups of tp ranks); change tp"
+        )
     if mesh_spec.ep > 1:
         raise UserError(f"ep={mesh_spec.ep} needs a mixture-of-experts model; {config.model.model} is dense")
     for name in ("pp", "cp"):
@@ -56,6 +59,9 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
             f"--global-batch {d.global_batch} is not divisible by --micro-batch {d.micro_batch} x "
             f"data-parallel size {mesh_spec.dp_size} = {per_step}; make it a multiple of {per_step}"
         )
+    if config.parallel.async_tp and not (config.train.compile and config.parallel.sequence_parallel
+                                         and tp > 1 and torch.cuda.is_available()):
+        raise UserError("--async-tp needs --compile, --sequence-parallel, a mesh with tp > 1 and CUDA GPUs")
     if config.optim.warmup_steps < 0 or config.optim.lr <= 0:
         raise UserError("--lr must be > 0 and --warmup-steps >= 0")
     data_lib.validate_data_args(d.data, d.tokenizer)
@@ -67,8 +73,13 @@ def print_plan(config: Config) -> None:
     world_size = distributed.world_size_from_env() if distributed.launched_by_torchrun() else None
     mesh_spec = MeshSpec.parse(config.parallel.mesh, world_size)
     _, model_cfg = validate(config, mesh_spec.world_size)
-    plan = Plan.build(mesh_spec, sequence_parallel=config.parallel.sequence_parallel)
+    plan = _plan(config, mesh_spec, model_cfg)
     print(plan.describe(llama.layers(model_cfg)))
+
+
+def _plan(config: Config, mesh_spec: MeshSpec, model_cfg: LlamaConfig) -> Plan:
+    return Plan.build(mesh_spec, sequence_parallel=config.parallel.sequence_parallel,
+                      num_kv_heads=model_cfg.num_kv_heads)
 
 
 def train(config: Config) -> list[dict[str, float]]:
@@ -91,11 +102,12 @@ def _train(config: Config, runtime: distributed.Runtime) -> list[dict[str, float
     # The data is read (and its token ids checked against the model) before any model memory.
     dataset = data_lib.TokenDataset(d.data, d.tokenizer, d.seq_len, model_cfg.vocab_size, t.seed)
     mesh = build_device_mesh(mesh_spec, runtime.device.type)
-    plan = Plan.build(mesh_spec, sequence_parallel=config.parallel.sequence_parallel)
+    plan = _plan(config, mesh_spec, model_cfg)
     layers = llama.layers(model_cfg)
     model, ctx = parallelize(
         layers, plan, mesh, device=runtime.device, seed=t.seed,
         compute_dtype=COMPUTE_DTYPES[t.precision], recompute_mode=t.recompute, compile_blocks=t.compile,
+        async_tp=config.parallel.async_tp,
     )
     optimizer = build_optimizer(model, model.specs, config.optim)
     scheduler = build_scheduler(optimizer, t.steps, config.optim)

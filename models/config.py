@@ -83,10 +83,23 @@ PRESETS: dict[str, LlamaConfig] = {
 }
 
 
-def get_model_config(name: str) -> LlamaConfig:
+def get_model_config(name: str, overrides: str = "") -> LlamaConfig:
+    """A preset, with `overrides` such as "num_layers=2,vocab_size=1000" applied to its fields."""
     try:
-        return PRESETS[name]
+        config = PRESETS[name]
     except KeyError:
-        raise UserError(
-            f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}"
-        ) from None
+        raise UserError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}") from None
+    changes = {}
+    fields = attrs.fields_dict(LlamaConfig)
+    for item in filter(None, (part.strip() for part in overrides.split(","))):
+        key, _, text = item.partition("=")
+        field = fields.get(key.strip())
+        if field is None or field.type not in ("int", "float", "bool", int, float, bool):
+            settable = [n for n, f in fields.items() if f.type in ("int", "float", "bool", int, float, bool)]
+            raise UserError(f"cannot override {key.strip()!r} of the model; settable: {', '.join(settable)}")
+        kind = {"int": int, "float": float, "bool": lambda t: t.lower() in ("1", "true", "yes")}.get(field.type, field.type)
+        try:
+            changes[key.strip()] = kind(text)
+        except ValueError:
+            raise UserError(f"model override {item!r}: {text!r} is not a valid {field.type}") from None
+    return attrs.evolve(config, **changes)

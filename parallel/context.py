@@ -59,8 +59,23 @@ class ParallelContext(LocalContext):
         if not isinstance(q, DTensor):
             return causal_attention(q, k, v)
         # Heads are split over tp: each rank attends with its own heads, no communication.
-        out = causal_attention(q.to_local(), k.to_local(), v.to_local())
+        q_local = q.to_local()
+        if k.placements == q.placements:
+            k_local, v_local = k.to_local(), v.to_local()
+        else:
+            k_local, v_local = (self._kv_for_local_queries(t, q) for t in (k, v))
+        out = causal_attention(q_local, k_local, v_local)
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+
+    @staticmethod
+    def _kv_for_local_queries(kv: DTensor, q: DTensor) -> torch.Tensor:
+        """The KV heads that this rank's query heads attend with, out of all (replicated) KV heads."""
+        local_shape, offset = compute_local_shape_and_global_offset(q.shape, q.device_mesh, q.placements)
+        group = q.shape[2] // kv.shape[2]
+        first, last = offset[2] // group, (offset[2] + local_shape[2] - 1) // group
+        # Each rank's slice gets its own gradient; they sum over tp into the replicated weight.
+        grad_placements = [Partial() if p.is_shard(2) else p for p in q.placements]
+        return kv.to_local(grad_placements=grad_placements)[:, :, first:last + 1]
 
     def cross_entropy_sum(self, logits, labels):
         if not isinstance(logits, DTensor):

@@ -18,8 +18,10 @@ from parallel.plan import Plan
 
 def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, device: torch.device,
                 seed: int, compute_dtype: torch.dtype, recompute_mode: str = "none",
-                compile_blocks: bool = False) -> tuple[ModelModule, ParallelContext]:
+                compile_blocks: bool = False, async_tp: bool = False) -> tuple[ModelModule, ParallelContext]:
     ctx = ParallelContext(plan, mesh)
+    if async_tp:
+        enable_async_tp(mesh)
     param_mesh = mesh[plan.param_mesh_dims] if plan.param_mesh_dims else None
 
     def make_param(path: str, param: spec.ParamSpec) -> nn.Parameter:
@@ -37,6 +39,15 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
     model.to_empty(device=device)
     init_parameters(model, seed)
     return model, ctx
+
+
+def enable_async_tp(mesh: DeviceMesh) -> None:
+    """torch.compile's micro-pipelined TP: each sequence-parallel all-gather (reduce-scatter) is
+    split and fused with the matmul that consumes (produces) it, over symmetric memory."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(mesh["tp"].get_group().group_name)
 
 
 @torch.no_grad()

@@ -90,8 +90,13 @@ class Plan:
     data_parallel_axes: tuple[str, ...] = DATA_PARALLEL_DIMS
 
     @classmethod
-    def build(cls, mesh_spec: MeshSpec, *, sequence_parallel: bool = False) -> Plan:
+    def build(cls, mesh_spec: MeshSpec, *, sequence_parallel: bool = False,
+              num_kv_heads: int | None = None) -> Plan:
         plan = cls(mesh_spec)
+        if num_kv_heads is not None and mesh_spec.tp > num_kv_heads:
+            # Fewer KV heads than tp ranks: keep K/V projections whole on every rank; attention
+            # then takes the KV head that each rank's query heads share (as Megatron does).
+            plan = plan.with_rules(params={"kv_heads": None}, activations={"attention": {"kv_heads": None}})
         if sequence_parallel:
             # Megatron SP: norms and residuals run on sequence shards; all-gather into the TP
             # regions and reduce-scatter out of them instead of one all-reduce.

@@ -5,7 +5,8 @@
 
 Throughput is the median over the steps after `--warmup` (compilation excluded); MFU follows
 BENCHMARKS.md. Arguments after `--` go to dtrain's own CLI (`python -m dtrain.run --help`).
-`--table FILE` renders the JSON lines of FILE as the README's markdown table instead.
+`--table FILE` renders the JSON lines of FILE as a markdown table instead, and with
+`--readme README.md` writes it between the README's benchmark markers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ SHAPES = {
 }
 
 
+README_BEGIN = "<!-- benchmark table: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->"
+README_END = "<!-- end of benchmark table -->"
+
+
 def _commit() -> str:
+    if os.environ.get("DTRAIN_COMMIT"):
+        return os.environ["DTRAIN_COMMIT"]
     try:
         root = Path(__file__).resolve().parent.parent
         return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
@@ -43,7 +50,7 @@ def run(shape: str, steps: int, warmup: int, extra: list[str]) -> dict | None:
     from dtrain.train import train
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    argv = [*SHAPES[shape], "--data", "synthetic", "--steps", str(steps), "--warmup-steps", "2",
+    argv = [*SHAPES[shape], "--data", "synthetic", "--steps", str(steps), "--warmup-steps", "2", "--lr", "3e-4",
             "--run-dir", f"runs/bench-{shape}"]
     # Unless given, one micro-batch per rank per step.
     if "--global-batch" not in extra:
@@ -102,9 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
     parser.add_argument("--table", type=Path, help="print the markdown table of a JSON-lines file and exit")
+    parser.add_argument("--readme", type=Path, help="with --table: write the table into this file between "
+                        f"{README_BEGIN!r} and {README_END!r}")
     args = parser.parse_args(argv)
     if args.table:
-        print(table(args.table))
+        rendered = table(args.table)
+        if args.readme:
+            text = args.readme.read_text()
+            head, _, rest = text.partition(README_BEGIN)
+            _, _, tail = rest.partition(README_END)
+            args.readme.write_text(f"{head}{README_BEGIN}\n{rendered}\n{README_END}{tail}")
+        print(rendered)
         return 0
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
