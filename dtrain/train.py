@@ -67,13 +67,13 @@ def build_plan(config: Config, mesh_spec: MeshSpec, model_cfg: LlamaConfig) -> P
                       num_kv_heads=model_cfg.num_kv_heads)
 
 
-def train(config: Config) -> list[dict[str, float]]:
+def train(config: Config, before_step=None) -> list[dict[str, float]]:
     """Runs the configured training; returns every step's scalars (the loss on every rank)."""
     from dtrain.trainer import Trainer
 
     validate(config, distributed.world_size_from_env())
     runtime = distributed.init_process_group()
     try:
-        return Trainer(config, runtime).fit()
+        return Trainer(config, runtime).fit(before_step)
     finally:
         distributed.shutdown()

@@ -111,11 +111,14 @@ class Trainer:
             scalars["perf/mfu"] = 100.0 * self.flops_per_token * tokens_per_sec_per_gpu / self.peak_flops
         return scalars
 
-    def fit(self) -> list[dict[str, float]]:
-        """Steps until `--steps`; returns every step's scalars."""
+    def fit(self, before_step=None) -> list[dict[str, float]]:
+        """Steps until `--steps`; returns every step's scalars. `before_step(step)` is called
+        before each step (benchmarks use it to start and stop the profiler)."""
         total, history = self.config.train.steps, []
         try:
             while self.step < total:
+                if before_step is not None:
+                    before_step(self.step)
                 scalars = self.train_step()
                 history.append(scalars)
                 console = self.step % self.config.train.log_every == 0 or self.step == total

@@ -87,7 +87,8 @@ class ParallelContext(LocalContext):
         loss = F.cross_entropy(
             logits.flatten(0, -2).float(), labels.flatten(), reduction="sum", ignore_index=-100
         )
-        return loss.to_local() if isinstance(loss, DTensor) else loss
+        # A copy, not the view to_local gives: FSDP hooks the module output for its backward.
+        return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
     @contextlib.contextmanager
     def kernel_scope(self):

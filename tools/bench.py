@@ -43,7 +43,36 @@ def _commit() -> str:
         return "unknown"
 
 
-def run(shape: str, steps: int, warmup: int, extra: list[str]) -> dict | None:
+class Profiler:
+    """Profiles three steps after warm-up and writes the top kernels and a trace to `out_dir`."""
+
+    def __init__(self, out_dir: Path | None, first_step: int):
+        self.out_dir, self.first_step, self.profiler = out_dir, first_step, None
+
+    def __call__(self, step: int) -> None:
+        import torch
+
+        if self.out_dir is None:
+            return
+        if step == self.first_step:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+        elif step == self.first_step + 3 and self.profiler is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.__exit__(None, None, None)
+            rank = os.environ.get("RANK", "0")
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            table = self.profiler.key_averages().table(sort_by=sort, row_limit=40)
+            (self.out_dir / f"profile_rank{rank}.txt").write_text(table)
+            self.profiler = None
+
+
+def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path | None = None) -> dict | None:
     import torch
 
     from dtrain.config import load_config
@@ -58,7 +87,7 @@ def run(shape: str, steps: int, warmup: int, extra: list[str]) -> dict | None:
         mb = int(extra[extra.index("--micro-batch") + 1]) if "--micro-batch" in extra else micro
         argv += ["--global-batch", str(mb * world_size)]
     config = load_config(argv + extra)
-    history = train(config)
+    history = train(config, before_step=Profiler(profile_dir, warmup))
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     timed = history[warmup:]
@@ -108,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="profile 3 steps after warm-up; write each rank's top kernels to DIR")
     parser.add_argument("--table", type=Path, help="print the markdown table of a JSON-lines file and exit")
     parser.add_argument("--readme", type=Path, help="with --table: write the table into this file between "
                         f"{README_BEGIN!r} and {README_END!r}")
@@ -123,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
-    run(args.shape, args.steps, args.warmup, extra)
+    run(args.shape, args.steps, args.warmup, extra, args.profile)
     return 0
 
 
