@@ -29,6 +29,13 @@ class ModelContext(Protocol):
     def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy in fp32; labels of -100 are ignored."""
 
+    def experts(self, x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor:
+        """SwiGLU experts over rows grouped by expert: x [rows, embed] holds counts[e] rows for
+        expert e, contiguous and in expert order (counts [num_experts], int, sums to rows);
+        w_gate, w_up [num_experts, mlp, embed], w_down [num_experts, embed, mlp]. Returns
+        [rows, embed], row i being its expert's output for x[i], in the same order."""
+
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal SDPA on [batch, seq, heads, head_dim] inputs, GQA by head groups."""
@@ -37,6 +44,55 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
     )
     return out.transpose(1, 2)
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `grouped_swiglu` can use torch's grouped GEMM kernel for these tensors.
+
+    CUDA only: the CPU kernel is correct (tests/test_moe.py) but CPU runs are small and the
+    loop is the simpler path there. The CUDA kernel wants 16-byte aligned rows, which for every
+    dtype here means embed and mlp widths that are multiples of 8.
+    """
+    return (
+        hasattr(F, "grouped_mm")
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and all(w.dtype == x.dtype for w in weights)
+        and all(size % 8 == 0 for w in weights for size in w.shape[1:])
+    )
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward
+    rejects zero-stride gradients (such as that of `out.sum()`) on CPU and CUDA alike."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor, use_grouped_mm: bool | None = None) -> torch.Tensor:
+    """`ModelContext.experts` on local tensors: one grouped GEMM per projection where the kernel
+    is supported (`use_grouped_mm=None` decides), else a loop over the experts."""
+    if use_grouped_mm is None:
+        use_grouped_mm = grouped_mm_supported(x, w_gate, w_up, w_down)
+    if use_grouped_mm:
+        # Cumulative group ends; the kernel reads them on the device, so no host sync.
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate = F.grouped_mm(x, w_gate.transpose(-2, -1), offs=offs)
+        up = F.grouped_mm(x, w_up.transpose(-2, -1), offs=offs)
+        out = F.grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
+        return _ContiguousGrad.apply(out)
+    outputs = []
+    for expert, rows in enumerate(x.split(counts.tolist())):
+        hidden = F.silu(F.linear(rows, w_gate[expert])) * F.linear(rows, w_up[expert])
+        outputs.append(F.linear(hidden, w_down[expert]))
+    return torch.cat(outputs)
 
 
 class LocalContext:
@@ -58,3 +114,6 @@ class LocalContext:
         return F.cross_entropy(
             logits.flatten(0, -2).float(), labels.flatten(), reduction="sum", ignore_index=-100
         )
+
+    def experts(self, x, counts, w_gate, w_up, w_down):
+        return grouped_swiglu(x, counts, w_gate, w_up, w_down)

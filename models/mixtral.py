@@ -1,0 +1,119 @@
+"""Mixture-of-experts decoders (Mixtral, DeepSeekMoE) as pure functions over a parameter tree.
+
+The same layer sequence as `models.llama` (`embed, blocks.0 .. blocks.{L-1}, head`), with the same
+embedding, attention and head; each block's feed-forward is `models.moe.moe_forward` (the first
+`first_dense_layers` blocks keep a dense SwiGLU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import attrs
+import torch
+
+from models import llama, moe, spec
+from models.config import MoEConfig
+from models.context import ModelContext
+from models.layers import attention_block, rms_norm, swiglu_block
+from models.llama import RESIDUAL
+
+
+@attrs.frozen
+class MoEAux(llama.Aux):
+    """`llama.Aux` plus what MoE blocks read: where to put router statistics, and the factor the
+    caller multiplies the summed loss by before backward (the router losses are scaled with it)."""
+
+    router_stats: moe.RouterStats | None = None
+    loss_scale: float = 1.0
+
+
+def make_aux(cfg: MoEConfig, positions: torch.Tensor, labels: torch.Tensor | None = None,
+             router_stats: moe.RouterStats | None = None, loss_scale: float = 1.0) -> MoEAux:
+    rope = llama.make_aux(cfg, positions).rope
+    return MoEAux(rope=rope, labels=labels, router_stats=router_stats, loss_scale=loss_scale)
+
+
+def block_forward(p: dict, x: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg: MoEConfig,
+                  index: int) -> torch.Tensor:
+    h = ctx.constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), RESIDUAL, "block_input")
+    attn = attention_block(p["attn"], h, aux.rope, cfg.num_heads, cfg.num_kv_heads, ctx)
+    x = x + ctx.constrain(attn, RESIDUAL, "residual")
+    h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
+    if "moe" in p:
+        ffn = moe.moe_forward(p["moe"], h, cfg, ctx, layer=index, aux=aux)
+    else:
+        ffn = swiglu_block(p["mlp"], h, ctx)
+    return x + ctx.constrain(ffn, RESIDUAL, "residual")
+
+
+def _block_params(cfg: MoEConfig, index: int, std: float, out_std: float) -> dict[str, Any]:
+    hd, d = cfg.head_dim, cfg.dim
+    params: dict[str, Any] = {
+        "attn_norm": spec.ones((d,), ("embed",)),
+        "attn": {
+            "wq": spec.normal((cfg.num_heads * hd, d), ("heads", "embed"), std),
+            "wk": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
+            "wv": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
+            "wo": spec.normal((d, cfg.num_heads * hd), ("embed", "heads"), out_std),
+        },
+        "mlp_norm": spec.ones((d,), ("embed",)),
+    }
+    if cfg.is_moe_layer(index):
+        params["moe"] = moe.moe_params(cfg, std, out_std)
+    else:
+        params["mlp"] = {
+            "w_gate": spec.normal((cfg.dense_ffn_dim, d), ("mlp", "embed"), std),
+            "w_up": spec.normal((cfg.dense_ffn_dim, d), ("mlp", "embed"), std),
+            "w_down": spec.normal((d, cfg.dense_ffn_dim), ("embed", "mlp"), out_std),
+        }
+    return params
+
+
+def layers(cfg: MoEConfig) -> list[spec.Layer]:
+    std = cfg.init_std
+    # As in llama: projections into the residual stream are scaled down with depth.
+    out_std = std / math.sqrt(2 * cfg.num_layers)
+    d = cfg.dim
+    embedding = spec.ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), "normal", std, weight_decay=False)
+    head_params: dict[str, Any] = {"norm": spec.ones((d,), ("embed",))}
+    tied = {}
+    if cfg.tie_embeddings:
+        tied = {"output": "embed.weight"}
+    else:
+        head_params["output"] = spec.normal((cfg.vocab_size, d), ("vocab", "embed"), d**-0.5)
+    return [
+        spec.Layer("embed", {"weight": embedding}, llama.embed_forward),
+        *(
+            spec.Layer(f"blocks.{i}", _block_params(cfg, i, std, out_std),
+                       functools.partial(block_forward, cfg=cfg, index=i))
+            for i in range(cfg.num_layers)
+        ),
+        spec.Layer("head", head_params, functools.partial(llama.head_forward, cfg=cfg), tied=tied),
+    ]
+
+
+def forward(params: dict[str, Any], tokens: torch.Tensor, labels: torch.Tensor, cfg: MoEConfig,
+            ctx: ModelContext, router_stats: moe.RouterStats | None = None) -> torch.Tensor:
+    """The whole model on a parameter tree keyed like `layers(cfg)`: summed loss over the labels."""
+    aux = make_aux(cfg, torch.arange(tokens.shape[1], device=tokens.device), labels, router_stats)
+    x = tokens
+    for layer in layers(cfg):
+        layer_params = dict(_lookup(params, layer.name))
+        for path, source in layer.tied.items():
+            layer_params[path] = _lookup(params, source)
+        x = layer.forward(layer_params, x, aux, ctx)
+    return x
+
+
+def is_expert_weight(param: spec.ParamSpec) -> bool:
+    """A stacked weight of all routed experts, of which a token uses only top_k slices."""
+    return len(param.shape) == 3 and param.axes[0] == "expert"
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    for key in dotted.split("."):
+        tree = tree[key]
+    return tree

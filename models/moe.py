@@ -1,0 +1,277 @@
+"""The mixture-of-experts feed-forward as a pure function, and the router statistics around it.
+
+    route -> losses -> permute (sort token slots by expert) -> ctx.experts -> un-permute, combine
+
+`ctx.experts` is the only step that depends on where the experts live: on one device it is a
+grouped GEMM, under expert parallelism an all-to-all of the sorted rows to the ranks that hold
+their experts and back. Everything before and after it is here and the same on every mesh.
+
+Router losses reach the gradient without changing any layer's signature: `AddAuxiliaryLoss`
+passes the MoE output through unchanged and, in backward, also seeds the losses' gradient
+(DeepSeek's reference code does the same). Their values, and how many tokens each expert got,
+go to a `RouterStats` that the caller may hang on the shared `aux` object.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from models import spec
+from models.config import MoEConfig
+from models.context import ModelContext
+from models.layers import swiglu_block
+
+
+class Routing(NamedTuple):
+    """Each token's top-k choice. T tokens, E experts, k = top_k."""
+
+    expert_ids: torch.Tensor  # [T, k] long, the chosen experts
+    weights: torch.Tensor     # [T, k] fp32, what each chosen expert's output is multiplied by
+    scores: torch.Tensor      # [T, E] fp32, softmax or sigmoid of the logits (no selection bias)
+    logits: torch.Tensor      # [T, E] fp32
+
+
+class Dispatch(NamedTuple):
+    """Which token slots (token t's j-th choice is slot t * k + j) go to the experts, in expert order."""
+
+    slots: torch.Tensor       # [S] long, kept slots sorted by expert id
+    counts: torch.Tensor      # [E] long, kept slots per expert (sums to S)
+    load: torch.Tensor        # [E] long, slots per expert chosen by the router, before any drop
+    num_dropped: torch.Tensor  # [] long, slots over capacity
+
+
+def route(x_TD: torch.Tensor, router: torch.Tensor, cfg: MoEConfig,
+          selection_bias: torch.Tensor | None = None) -> Routing:
+    """Scores every expert for every token and keeps the top k.
+
+    The router runs in fp32: small differences in bf16 logits flip the top-k choice. The
+    selection bias (auxiliary-loss-free balancing) only changes which experts are chosen; the
+    weights are the unbiased scores of the chosen experts.
+    """
+    logits = F.linear(x_TD.float(), router.float())
+    scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
+    choice = scores if selection_bias is None else scores + selection_bias.float()
+    expert_ids = choice.topk(cfg.top_k, dim=-1).indices
+    weights = scores.gather(-1, expert_ids)
+    if cfg.route_norm:
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+    return Routing(expert_ids, weights, scores, logits)
+
+
+def load_balancing_loss(routing: Routing, load: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Switch/GShard: num_experts * sum_e f_e * P_e, f_e the fraction of slots routed to e, P_e the
+    mean router probability of e. Equals 1 when both are uniform; only P carries a gradient."""
+    num_tokens, num_experts = routing.scores.shape
+    probs = routing.scores
+    if score_func == "sigmoid":
+        # Sigmoid scores are not a distribution; normalise per token as DeepSeek-V3 does.
+        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-20)
+    fraction = load.float() / (num_tokens * routing.expert_ids.shape[1])
+    return num_experts * (fraction * probs.mean(0)).sum()
+
+
+def router_z_loss(routing: Routing) -> torch.Tensor:
+    """ST-MoE: mean of logsumexp(logits)^2, which keeps the logits small and the softmax stable."""
+    return torch.logsumexp(routing.logits, dim=-1).square().mean()
+
+
+def expert_capacity(cfg: MoEConfig, num_tokens: int) -> int | None:
+    if cfg.capacity_factor is None:
+        return None
+    return math.ceil(cfg.capacity_factor * num_tokens * cfg.top_k / cfg.num_experts)
+
+
+def dispatch(routing: Routing, num_experts: int, capacity: int | None) -> Dispatch:
+    """Sorts token slots by expert; with a capacity, each expert keeps its highest-scoring slots."""
+    expert_of_slot = routing.expert_ids.flatten()
+    load = torch.bincount(expert_of_slot, minlength=num_experts)
+    if capacity is None:
+        slots = torch.argsort(expert_of_slot, stable=True)
+        return Dispatch(slots, load, load, torch.zeros((), dtype=torch.long, device=load.device))
+    # Rank slots by score (unnormalised, so comparable across tokens), then stable-sort by
+    # expert: within each expert's group the best come first and the tail is what is dropped.
+    score_of_slot = routing.scores.gather(-1, routing.expert_ids).flatten()
+    by_score = torch.argsort(score_of_slot, descending=True, stable=True)
+    slots = by_score[torch.argsort(expert_of_slot[by_score], stable=True)]
+    group_start = torch.cumsum(load, 0) - load
+    rank_in_group = torch.arange(slots.numel(), device=slots.device) - group_start[expert_of_slot[slots]]
+    counts = load.clamp(max=capacity)
+    slots = slots[rank_in_group < capacity]
+    return Dispatch(slots, counts, load, load.sum() - counts.sum())
+
+
+def combine(expert_out_SD: torch.Tensor, routing: Routing, slots: torch.Tensor) -> torch.Tensor:
+    """Weights each expert output by its token's routing weight and sums each token's k outputs.
+
+    Done by un-permuting into a [T * k, D] buffer and summing over k rather than with index_add:
+    the sum is then in a fixed order, so results do not vary from run to run on GPU. Dropped
+    slots stay zero. Products and sum in fp32, as the weights are.
+    """
+    num_tokens, top_k = routing.expert_ids.shape
+    weighted = expert_out_SD.float() * routing.weights.flatten()[slots, None]
+    unsorted = weighted.new_zeros(num_tokens * top_k, expert_out_SD.shape[-1]).index_copy(0, slots, weighted)
+    return unsorted.view(num_tokens, top_k, -1).sum(1).to(expert_out_SD.dtype)
+
+
+class AddAuxiliaryLoss(torch.autograd.Function):
+    """Returns `x` unchanged; backward also gives `loss` the gradient 1, so that d(loss)/d(params)
+    is added to the parameters' gradients as if `loss` had been added to the model's loss."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_x: torch.Tensor):
+        return grad_x, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad_x.device)
+
+
+class RouterStats:
+    """Router statistics accumulated over the micro-batches of a step, per MoE layer (detached).
+
+    Hang one on the `aux` object as `router_stats`. Values are this process's; a trainer that
+    wants global numbers (it should, for the bias update) sums `tensors()` over the data-parallel
+    ranks in place before reading them. `reset()` after each step.
+    """
+
+    def __init__(self) -> None:
+        self.load: dict[int, torch.Tensor] = {}    # layer -> [E] slots chosen per expert
+        self.totals: dict[int, torch.Tensor] = {}  # layer -> [slots, dropped, aux sum, z sum, records]
+
+    def record(self, layer: int, dispatched: Dispatch, aux_loss: torch.Tensor, z_loss: torch.Tensor) -> None:
+        totals = torch.stack([
+            dispatched.load.sum().float(), dispatched.num_dropped.float(), aux_loss.detach().float(), z_loss.detach().float(),
+            torch.ones((), device=aux_loss.device),
+        ])
+        load = dispatched.load.detach().float()
+        if layer in self.load:
+            self.load[layer] += load
+            self.totals[layer] += totals
+        else:
+            self.load[layer], self.totals[layer] = load, totals
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every accumulator, for an in-place sum over ranks (e.g. `dist.all_reduce`)."""
+        return [*self.load.values(), *self.totals.values()]
+
+    def reset(self) -> None:
+        self.load.clear()
+        self.totals.clear()
+
+    def scalars(self) -> dict[str, float]:
+        """Log lines: mean router losses, dropped fraction and load imbalance (max / mean expert
+        load: 1 is perfect balance, num_experts / top_k is everything on top_k experts)."""
+        if not self.load:
+            return {}
+        totals = torch.stack(list(self.totals.values())).cpu()
+        load = torch.stack(list(self.load.values())).cpu()
+        imbalance = load.max(-1).values / load.mean(-1).clamp_min(1e-20)
+        records = totals[:, 4].clamp_min(1)
+        out = {
+            "moe/aux_loss": (totals[:, 2] / records).mean().item(),
+            "moe/z_loss": (totals[:, 3] / records).mean().item(),
+            "moe/dropped_fraction": (totals[:, 1].sum() / totals[:, 0].sum().clamp_min(1)).item(),
+            "moe/imbalance_max": imbalance.max().item(),
+            "moe/imbalance_mean": imbalance.mean().item(),
+        }
+        out.update({f"moe/imbalance/layer_{layer}": v.item() for layer, v in zip(self.load, imbalance)})
+        return out
+
+    def tokens_per_expert(self) -> dict[int, torch.Tensor]:
+        """Layer -> slots per expert, for a histogram (`moe/tokens_per_expert`)."""
+        return {layer: load.cpu() for layer, load in self.load.items()}
+
+
+def _in_backward() -> bool:
+    # Activation recompute re-runs the forward inside backward: its routing must not count twice.
+    return torch._C._current_graph_task_id() != -1
+
+
+def moe_forward(p: dict, x: torch.Tensor, cfg: MoEConfig, ctx: ModelContext, *, layer: int = 0,
+                aux: Any = None) -> torch.Tensor:
+    """The MoE feed-forward of [batch, seq, embed] activations, same shape out.
+
+    `aux` may carry `router_stats` (a RouterStats) and `loss_scale`, the factor the caller
+    multiplies the model's summed loss by before backward. The router losses are per-token means;
+    they are weighted by the number of tokens here so that they join the summed loss like the
+    cross-entropy does, and by `loss_scale` so that they are scaled with it.
+    """
+    x_TD = x.reshape(-1, x.shape[-1])
+    num_tokens = x_TD.shape[0]
+    routing = route(x_TD, p["router"], cfg, p.get("router_bias"))
+    dispatched = dispatch(routing, cfg.num_experts, expert_capacity(cfg, num_tokens))
+    aux_loss = load_balancing_loss(routing, dispatched.load, cfg.score_func)
+    z_loss = router_z_loss(routing)
+
+    experts = p["experts"]
+    tokens_SD = x_TD[dispatched.slots // cfg.top_k]
+    expert_out_SD = ctx.experts(tokens_SD, dispatched.counts, experts["w_gate"], experts["w_up"],
+                                experts["w_down"])
+    out_TD = combine(expert_out_SD, routing, dispatched.slots)
+    if "shared" in p:
+        out_TD = out_TD + swiglu_block(p["shared"], x_TD, ctx)
+
+    stats = getattr(aux, "router_stats", None)
+    if stats is not None and not _in_backward():
+        stats.record(layer, dispatched, aux_loss, z_loss)
+    router_loss = cfg.aux_loss_coef * aux_loss + cfg.z_loss_coef * z_loss
+    if router_loss.requires_grad and (cfg.aux_loss_coef or cfg.z_loss_coef):
+        weight = num_tokens * getattr(aux, "loss_scale", 1.0)
+        out_TD = AddAuxiliaryLoss.apply(out_TD, weight * router_loss)
+    return out_TD.view_as(x)
+
+
+def moe_params(cfg: MoEConfig, std: float, out_std: float) -> dict[str, Any]:
+    """Parameter specs of one MoE feed-forward."""
+    e, f, d = cfg.num_experts, cfg.expert_ffn_dim, cfg.dim
+    params: dict[str, Any] = {
+        # Small ([E, embed]); the plan is expected to keep it replicated.
+        "router": spec.normal((e, d), ("expert", "embed"), std),
+        "experts": {
+            "w_gate": spec.normal((e, f, d), ("expert", "mlp", "embed"), std),
+            "w_up": spec.normal((e, f, d), ("expert", "mlp", "embed"), std),
+            "w_down": spec.normal((e, d, f), ("expert", "embed", "mlp"), out_std),
+        },
+    }
+    if cfg.bias_update_rate > 0:
+        # Zeros (a normal of std 0). It gets no gradient: it only moves the top-k choice, and
+        # `update_expert_bias` changes it after each optimizer step.
+        params["router_bias"] = spec.ParamSpec((e,), ("expert",), "normal", 0.0, weight_decay=False)
+    if cfg.num_shared_experts:
+        width = cfg.num_shared_experts * f
+        params["shared"] = {
+            "w_gate": spec.normal((width, d), ("mlp", "embed"), std),
+            "w_up": spec.normal((width, d), ("mlp", "embed"), std),
+            "w_down": spec.normal((d, width), ("embed", "mlp"), out_std),
+        }
+    return params
+
+
+# Parameters that the optimizer must leave alone (they get no gradient).
+NON_TRAINABLE = ("router_bias",)
+
+
+def is_trainable(path: str) -> bool:
+    return path.rsplit(".", 1)[-1] not in NON_TRAINABLE
+
+
+def update_expert_bias(params: dict[str, Any], stats: RouterStats, rate: float) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3), after the optimizer step: each MoE layer's
+    `router_bias` moves by `rate` towards balance, down for experts above the mean load and up
+    for those below. `params` is the model's tree (nested, or flat with dotted names such as
+    `blocks.3.moe.router_bias`); `stats` should already be summed over the data-parallel ranks."""
+    if any("." in key for key in params):
+        params = spec.unflatten(params)
+    with torch.no_grad():
+        for layer, load in stats.load.items():
+            bias = params["blocks"][str(layer)]["moe"]["router_bias"]
+            delta = (rate * torch.sign(load.mean() - load)).to(bias.device, bias.dtype)
+            if hasattr(bias, "device_mesh"):  # a DTensor: add this rank's part of the same delta
+                from torch.distributed.tensor import distribute_tensor
+                delta = distribute_tensor(delta, bias.device_mesh, bias.placements, src_data_rank=None)
+            bias.add_(delta)
