@@ -39,6 +39,12 @@ class DataArgs:
     seq_len: int = _field(256, "tokens per sample")
     micro_batch: int = _field(4, "samples per micro-batch on each data-parallel rank")
     global_batch: int = _field(16, "samples per optimizer step over all data-parallel ranks")
+    split: str = _field("969,30,1", "indexed data (--data PREFIX or \"0.7 PREFIX_A 0.3 PREFIX_B\"): "
+                                    "train,validation,test shares of each dataset's documents")
+    data_cache_dir: str | None = _field(None, "where indexed data's sample indices are cached; unset: a "
+                                              "dtrain_index_cache directory beside the data")
+    reset_position_ids: bool = _field(False, "position ids restart at 0 at each document boundary in a sample")
+    document_mask: bool = _field(False, "give each sample's document ids, to mask attention across documents")
 
 
 @attrs.frozen
@@ -65,6 +71,8 @@ class TrainArgs:
     recompute: str = _field("none", "activation recompute of blocks", choices=("none", "selective", "full"))
     run_dir: str = _field("runs/default", "directory for the resolved config, TensorBoard files and log")
     log_every: int = _field(1, "steps between console lines")
+    eval_every: int = _field(0, "steps between evaluations on the validation split, logged as val/loss (0: off)")
+    eval_steps: int = _field(10, "global batches per evaluation (capped at one pass over the validation split)")
 
 
 @attrs.frozen

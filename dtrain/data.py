@@ -1,4 +1,5 @@
-"""Training data: the bundled corpus, a local text file, or synthetic tokens.
+"""Training data: the bundled corpus, a local text file, synthetic tokens, or indexed data in
+Megatron's format (`--data PREFIX` or a blend `--data "0.7 PREFIX_A 0.3 PREFIX_B"`, see blend.py).
 
 A batch is a pure function of (seed, step), so a run is reproducible and sees the same
 global batches whatever its data-parallel layout.
@@ -9,11 +10,15 @@ from __future__ import annotations
 import functools
 import operator
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
+from dtrain.blend import DEFAULT_SPLIT, IndexedBlend, parse_blend, parse_split
+from dtrain.indexed import check_files, is_indexed_prefix
+from dtrain.packed import PARTS
 from models.errors import UserError
 
 BUNDLED = "bundled"      # the default --data value: dtrain/assets/corpus.txt + tokenizer.json
@@ -23,17 +28,35 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 BUNDLED_CORPUS = ASSETS_DIR / "corpus.txt"
 BUNDLED_TOKENIZER = ASSETS_DIR / "tokenizer.json"
 END_OF_TEXT = "<|endoftext|>"
+TEXT, INDEXED = "text", "indexed"
 
 
-def validate_data_args(data: str, tokenizer: str | None) -> None:
+def data_kind(data: str) -> str:
+    """BUNDLED, SYNTHETIC, TEXT (a text file) or INDEXED (a .bin/.idx prefix or a blend of them)."""
+    if data in (BUNDLED, SYNTHETIC):
+        return data
+    if data.endswith((".bin", ".idx")) or is_indexed_prefix(data):
+        return INDEXED
+    if os.path.isfile(data):
+        return TEXT
+    if len(data.split()) > 1:
+        return INDEXED  # a blend: its syntax and files are checked by validate_data_args
+    raise UserError(
+        f"--data {data!r} is neither {BUNDLED!r}, {SYNTHETIC!r}, an existing text file nor an indexed "
+        f"dataset ({data}.bin + {data}.idx): pass one of those, or a blend such as \"0.7 PREFIX_A 0.3 PREFIX_B\""
+    )
+
+
+def validate_data_args(data: str, tokenizer: str | None, split: str | None = None) -> None:
     """Cheap checks before any model memory is allocated: raise UserError (one line, says what to change)
-    when `data` is neither BUNDLED, SYNTHETIC nor an existing text file path, or when `tokenizer` is given
-    and is not an existing file."""
-    if data not in (BUNDLED, SYNTHETIC) and not os.path.isfile(data):
-        raise UserError(
-            f"--data {data!r} is neither {BUNDLED!r}, {SYNTHETIC!r} nor an existing text file: "
-            f"pass one of those"
-        )
+    when `data` is neither BUNDLED, SYNTHETIC, an existing text file nor indexed data whose files exist
+    and whose blend weights parse, when `split` does not parse, or when `tokenizer` is given and is not an
+    existing file."""
+    if data_kind(data) == INDEXED:
+        for _, prefix in parse_blend(data):
+            check_files(prefix)
+    if split is not None:
+        parse_split(split)
     if tokenizer is not None and not os.path.isfile(tokenizer):
         raise UserError(
             f"--tokenizer {tokenizer!r} is not an existing file: pass the path of a Hugging Face "
@@ -51,8 +74,9 @@ def _load_tokenizer(path: str) -> Tokenizer:
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenize(text_path: str, tokenizer_path: str, mtimes: tuple[int, int]) -> tuple[torch.Tensor, int]:
-    """Token ids of the whole file (int32, end-of-text appended) and the tokenizer's vocab size.
+def _tokenize(text_path: str, tokenizer_path: str, mtimes: tuple[int, int]) -> tuple[torch.Tensor, int, int | None]:
+    """Token ids of the whole file (int32, end-of-text appended), the tokenizer's vocab size and its
+    end-of-text id (None when it has none).
 
     Cached because every TokenDataset in a process would otherwise re-tokenize the same file;
     `mtimes` is part of the key so an edited file is tokenized again.
@@ -70,7 +94,7 @@ def _tokenize(text_path: str, tokenizer_path: str, mtimes: tuple[int, int]) -> t
     if end_of_text is not None:
         ids.append(end_of_text)
     # int32 halves the memory of a large corpus; rows are widened to int64 when gathered.
-    return torch.tensor(ids, dtype=torch.int32), tokenizer.get_vocab_size(with_added_tokens=True)
+    return torch.tensor(ids, dtype=torch.int32), tokenizer.get_vocab_size(with_added_tokens=True), end_of_text
 
 
 def _check_positive(**values: int) -> None:
@@ -97,19 +121,74 @@ def _synthetic_seed(seed: int, step: int, row: int) -> int:
     return x ^ (x >> 31)
 
 
+class MicroBatch(tuple):
+    """`(inputs, labels)`, each [micro_batch, seq_len] int64, unpacking as the plain pair always did.
+
+    When the dataset was built with `documents=True` it also carries, per sample, `position_ids`
+    (position of each input token within its document: 0 at the row start and after every document
+    boundary) and `document_ids` (0 for the row's first document, +1 at each boundary), both
+    [micro_batch, seq_len] int64: attention from token q to token k is allowed when k <= q and
+    document_ids[q] == document_ids[k]. Otherwise both are None.
+
+    Boundaries: for indexed data, where one sequence of the index ends and the next begins (so after
+    the end-of-document token when preprocessing appended one, and without relying on one); for a
+    text corpus, after each <|endoftext|> token, as Megatron resets at its EOD token.
+    """
+
+    position_ids: torch.Tensor | None
+    document_ids: torch.Tensor | None
+
+    def __new__(cls, inputs: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None):
+        batch = super().__new__(cls, (inputs, labels))
+        batch.position_ids, batch.document_ids = position_ids, document_ids
+        return batch
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        return self[0]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self[1]
+
+
+def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids [n, s] that restart at 0 wherever the document id changes along a row."""
+    steps = torch.arange(document_ids.shape[1], dtype=torch.int64).expand_as(document_ids)
+    starts_here = torch.ones_like(document_ids, dtype=torch.bool)
+    starts_here[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    document_start = torch.where(starts_here, steps, torch.zeros_like(steps)).cummax(dim=1).values
+    return steps - document_start
+
+
 class TokenDataset:
     """Deterministic source of training batches. Every data-parallel rank builds the same object; the
     global batch of a step is a pure function of (seed, step), and each data-parallel rank takes its own
-    contiguous rows of it, so the same global batch is seen whatever the number of data-parallel ranks."""
+    contiguous rows of it, so the same global batch is seen whatever the number of data-parallel ranks.
 
-    vocab_size: int  # the tokenizer's vocab size (for synthetic: the model vocab given)
+    `part` picks the train, validation or test documents of indexed data (by `split`); synthetic data
+    draws an independent stream per part; a text corpus is used whole and has only a train part.
+    `cache_dir` holds indexed data's sample indices (default: a directory beside the data).
+    `documents=True` makes micro_batches carry position and document ids (see MicroBatch)."""
 
-    def __init__(self, data: str, tokenizer: str | None, seq_len: int, model_vocab_size: int, seed: int):
+    vocab_size: int  # the tokenizer's vocab size (for synthetic and indexed data: the model vocab given)
+
+    def __init__(self, data: str, tokenizer: str | None, seq_len: int, model_vocab_size: int, seed: int, *,
+                 part: str = "train", split: str = DEFAULT_SPLIT, cache_dir: str | None = None,
+                 documents: bool = False):
         validate_data_args(data, tokenizer)
         _check_positive(seq_len=seq_len, model_vocab_size=model_vocab_size)
+        if part not in PARTS:
+            raise UserError(f"part = {part!r} must be one of {PARTS}")
         self.seq_len = seq_len
         self.seed = seed
-        self._synthetic = data == SYNTHETIC
+        self.part = part
+        self.documents = documents
+        kind = data_kind(data)
+        self._synthetic = kind == SYNTHETIC
+        self._indexed: IndexedBlend | None = None
+        self._end_of_text: int | None = None
         self._permutations: dict[int, torch.Tensor] = {}
         if self._synthetic:
             if model_vocab_size < 2:
@@ -117,11 +196,18 @@ class TokenDataset:
                                 f"choose a larger vocab_size")
             self.vocab_size = model_vocab_size
             return
+        if kind == INDEXED:
+            self._indexed = IndexedBlend(data, part, split, seq_len, seed, cache_dir, model_vocab_size)
+            self.vocab_size = model_vocab_size
+            return
+        if part != "train":
+            raise UserError(f"--data {data!r} is a text corpus, used whole for training, so it has no {part} "
+                            f"part: for evaluation pass indexed data (tools/preprocess_data.py) and --split")
 
         text_path = str(BUNDLED_CORPUS) if data == BUNDLED else data
         tokenizer_path = str(BUNDLED_TOKENIZER) if tokenizer is None else tokenizer
         mtimes = (os.stat(text_path).st_mtime_ns, os.stat(tokenizer_path).st_mtime_ns)
-        self._tokens, self.vocab_size = _tokenize(text_path, tokenizer_path, mtimes)
+        self._tokens, self.vocab_size, self._end_of_text = _tokenize(text_path, tokenizer_path, mtimes)
 
         if len(self._tokens) < seq_len + 1:
             raise UserError(f"{text_path!r} has {len(self._tokens)} tokens, fewer than seq_len + 1 = "
@@ -135,16 +221,25 @@ class TokenDataset:
         # that every token is a label exactly once per epoch.
         self._num_windows = (len(self._tokens) - 1) // seq_len
 
+    @classmethod
+    def from_args(cls, data_args, model_vocab_size: int, seed: int, part: str = "train") -> TokenDataset:
+        """The dataset that config.DataArgs describes; documents are on when --reset-position-ids or
+        --document-mask asks for them."""
+        return cls(data_args.data, data_args.tokenizer, data_args.seq_len, model_vocab_size, seed, part=part,
+                   split=data_args.split, cache_dir=data_args.data_cache_dir,
+                   documents=data_args.reset_position_ids or data_args.document_mask)
+
     def global_batch(self, step: int, global_batch_size: int) -> torch.Tensor:
         """int64 tensor [global_batch_size, seq_len + 1] of token ids for this step (CPU)."""
         _check_positive(global_batch_size=global_batch_size)
-        return self._rows(step, global_batch_size, 0, global_batch_size)
+        return self._rows(step, global_batch_size, 0, global_batch_size)[0]
 
     def micro_batches(self, step: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
-                      dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      dp_size: int) -> list[MicroBatch]:
         """This rank's rows of global_batch(step) (rows [dp_rank*n : (dp_rank+1)*n], n = global_batch_size // dp_size),
-        cut into micro-batches of micro_batch_size rows, each as (inputs [mb, seq_len], labels [mb, seq_len])
-        with labels = inputs shifted by one token. Validates divisibility with a UserError."""
+        cut into micro-batches of micro_batch_size rows, each a MicroBatch that unpacks as (inputs [mb, seq_len],
+        labels [mb, seq_len]) with labels = inputs shifted by one token, and carries position_ids and
+        document_ids when the dataset has documents=True. Validates divisibility with a UserError."""
         _check_positive(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                         dp_size=dp_size)
         if not 0 <= dp_rank < dp_size:
@@ -158,22 +253,64 @@ class TokenDataset:
                             f"{global_batch_size} / dp size {dp_size}) are not divisible by the micro batch "
                             f"size {micro_batch_size}: choose a micro batch size that divides {rows_per_rank}")
         # Only this rank's rows are built; they equal the matching rows of global_batch(step).
-        rows = self._rows(step, global_batch_size, dp_rank * rows_per_rank, rows_per_rank)
-        return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
-                for chunk in rows.split(micro_batch_size)]
+        rows, documents = self._rows(step, global_batch_size, dp_rank * rows_per_rank, rows_per_rank,
+                                     self.documents)
+        batches = []
+        for first in range(0, rows_per_rank, micro_batch_size):
+            chunk = rows[first : first + micro_batch_size]
+            position_ids = document_ids = None
+            if documents is not None:
+                document_ids = documents[first : first + micro_batch_size, :-1].contiguous()
+                position_ids = positions_from_documents(document_ids)
+            batches.append(MicroBatch(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous(), position_ids,
+                                      document_ids))
+        return batches
 
-    def _rows(self, step: int, global_batch_size: int, first_row: int, num_rows: int) -> torch.Tensor:
-        """Rows [first_row, first_row + num_rows) of the global batch of `step`."""
+    def eval_steps(self, requested: int, global_batch_size: int) -> int:
+        """Global batches in one evaluation pass: `requested`, capped so that no sample of this part is
+        seen twice in a pass (indexed data). The same on every rank."""
+        _check_positive(eval_steps=requested, global_batch_size=global_batch_size)
+        if self._indexed is None:
+            return requested
+        available = self._indexed.samples_before_repeat() // global_batch_size
+        if available == 0:
+            raise UserError(f"the {self.part} part holds {self._indexed.samples_before_repeat()} samples of "
+                            f"seq_len {self.seq_len}, fewer than one global batch of {global_batch_size}: give "
+                            f"it a larger share of --split, use more data or a smaller --global-batch")
+        return min(requested, available)
+
+    def eval_micro_batches(self, eval_steps: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
+                           dp_size: int) -> Iterator[MicroBatch]:
+        """One evaluation pass for this rank: the micro-batches of steps 0 .. eval_steps(eval_steps) - 1
+        of this part's stream, so every pass sees the same samples and the losses are comparable."""
+        for step in range(self.eval_steps(eval_steps, global_batch_size)):
+            yield from self.micro_batches(step, global_batch_size, micro_batch_size, dp_rank, dp_size)
+
+    def _rows(self, step: int, global_batch_size: int, first_row: int, num_rows: int,
+              with_documents: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows [first_row, first_row + num_rows) of the global batch of `step`: token ids
+        [num_rows, seq_len + 1] and, if asked, the document number of each token in its row."""
         step = operator.index(step)
         if step < 0:
             raise UserError(f"step = {step} must be >= 0")
         if self._synthetic:
-            return self._synthetic_rows(step, first_row, num_rows)
+            rows = self._synthetic_rows(step, first_row, num_rows)
+            return rows, torch.zeros_like(rows) if with_documents else None  # one document per row
         # Global batch `step` is samples [step * G, (step + 1) * G) of the endless sample stream.
         sample_ids = torch.arange(num_rows, dtype=torch.int64) + (step * global_batch_size + first_row)
+        if self._indexed is not None:
+            rows, documents = self._indexed.rows(sample_ids.numpy(), with_documents)
+            return torch.from_numpy(rows), None if documents is None else torch.from_numpy(documents)
         starts = self._window_starts(sample_ids)
         offsets = starts[:, None] + torch.arange(self.seq_len + 1, dtype=torch.int64)
-        return self._tokens[offsets].to(torch.int64)
+        rows = self._tokens[offsets].to(torch.int64)
+        if not with_documents:
+            return rows, None
+        if self._end_of_text is None:
+            return rows, torch.zeros_like(rows)
+        # A new document starts after each end-of-text token, as Megatron resets at its EOD token.
+        ends = (rows == self._end_of_text).to(torch.int64)
+        return rows, ends.cumsum(dim=1) - ends
 
     def _window_starts(self, sample_ids: torch.Tensor) -> torch.Tensor:
         """Token offsets of the windows at these positions of the endless stream.
@@ -201,6 +338,8 @@ class TokenDataset:
         # One generator per row, so a rank draws only its own rows and still matches global_batch.
         rows = torch.empty(num_rows, self.seq_len + 1, dtype=torch.int64)
         generator = torch.Generator()
+        # Validation and test streams sit far beyond any train step, so they never repeat its rows.
+        step += PARTS.index(self.part) << 48
         for i in range(num_rows):
             generator.manual_seed(_synthetic_seed(self.seed, step, first_row + i))
             rows[i] = torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=generator)
