@@ -10,16 +10,18 @@ from torch import nn
 from dtrain.config import OptimArgs
 
 
-def build_optimizer(model: nn.Module, specs: dict, args: OptimArgs) -> torch.optim.AdamW:
-    """Weight decay on matmul weights only; norms and embeddings are left undecayed."""
+def build_optimizer(model_parts: list[nn.Module], args: OptimArgs) -> torch.optim.AdamW:
+    """Weight decay on matmul weights only; norms and embeddings are left undecayed. Each part
+    (the model, or this rank's pipeline stages) has `specs`: parameter name -> ParamSpec."""
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (decay if specs[name].weight_decay else no_decay).append(param)
+    for part in model_parts:
+        for name, param in part.named_parameters():
+            (decay if part.specs[name].weight_decay else no_decay).append(param)
     groups = [
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    on_cuda = next(model.parameters()).device.type == "cuda"
+    on_cuda = next(model_parts[0].parameters()).device.type == "cuda"
     # The fused kernel runs the whole update in a few launches on GPU; foreach elsewhere.
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,

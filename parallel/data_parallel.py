@@ -25,13 +25,17 @@ def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtyp
     dp_mesh = data_parallel_mesh(mesh, plan)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # With one shard there is nothing to free after forward; re-gathering would only cost time.
-    reshard = plan.mesh_spec.dp_shard > 1
+    # Under pipelining each block runs once per micro-batch: re-gathering it every time would
+    # multiply the all-gathers, so blocks stay gathered between forward and backward.
+    reshard = plan.mesh_spec.dp_shard > 1 and plan.mesh_spec.pp == 1
     common = dict(mesh=dp_mesh, mp_policy=policy)
     for block in model.blocks.values():
         fully_shard(block, reshard_after_forward=reshard, **common)
     if not model.tied:
         # Tied embedding and head share one parameter, so both stay in the root's group.
-        fully_shard(model.embed, reshard_after_forward=reshard, **common)
-        # The backward starts with the head: resharding it after forward would be undone at once.
-        fully_shard(model.head, reshard_after_forward=False, **common)
+        if model.embed is not None:
+            fully_shard(model.embed, reshard_after_forward=reshard, **common)
+        if model.head is not None:
+            # The backward starts with the head: resharding it after forward would be undone at once.
+            fully_shard(model.head, reshard_after_forward=False, **common)
     fully_shard(model, reshard_after_forward=False, **common)

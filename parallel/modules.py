@@ -58,16 +58,27 @@ class LayerModule(nn.Module):
         return self.forward_fn(self.param_tree(), x, aux, self.ctx)
 
 
+RESIDUAL = ("batch", "seq", "embed")
+
+
 class ModelModule(nn.Module):
-    """The layer sequence: `embed`, `blocks` (keyed by layer index), `head`."""
+    """The layer sequence `embed`, `blocks` (keyed by layer index), `head`, or a contiguous part
+    of it (a pipeline stage: `embed` and `head` are then None where the stage lacks them).
+
+    As a pipeline stage, `forward(x)` takes the previous stage's plain local activation, uses the
+    `stage_aux` the pipeline set, and returns the blocks' output as a plain local tensor: the head
+    and loss run in the schedule's loss function (`head_loss`)."""
 
     def __init__(self, layers: list[spec.Layer], make_param: MakeParam, ctx: ModelContext):
         super().__init__()
+        self.ctx = ctx
         self.specs = {f"{layer.name}.{path}": s for layer in layers for path, s in spec.flatten(layer.params)}
         modules = {layer.name: LayerModule(layer, make_param, ctx) for layer in layers}
-        self.embed = modules.pop("embed")
-        self.head = modules.pop("head")
+        self.embed = modules.pop("embed", None)
+        self.head = modules.pop("head", None)
         self.blocks = nn.ModuleDict({name.split(".", 1)[1]: m for name, m in modules.items()})
+        self.pipelined = False
+        self.stage_aux: Any = None
         for layer in layers:
             for path, source in layer.tied.items():
                 owner_name, param_name = source.rsplit(".", 1)
@@ -79,10 +90,20 @@ class ModelModule(nn.Module):
 
     @property
     def tied(self) -> bool:
-        return bool(self.head.tied_sources)
+        return self.head is not None and bool(self.head.tied_sources)
 
-    def forward(self, tokens: torch.Tensor, aux: Any) -> torch.Tensor:
-        x = self.embed(tokens, aux)
+    def forward(self, x: torch.Tensor, aux: Any = None) -> torch.Tensor:
+        aux = self.stage_aux if aux is None else aux
+        if self.embed is not None:
+            x = self.embed(x, aux)
+        else:
+            x = self.ctx.constrain(x, RESIDUAL, "residual")  # from the previous stage
         for block in self.blocks.values():
             x = block(x, aux)
+        if self.pipelined:
+            return x.to_local() if hasattr(x, "to_local") else x
         return self.head(x, aux)
+
+    def head_loss(self, x: torch.Tensor, aux: Any) -> torch.Tensor:
+        """The last pipeline stage's head and loss on its blocks' (plain) output."""
+        return self.head(self.ctx.constrain(x, RESIDUAL, "residual"), aux)

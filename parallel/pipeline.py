@@ -1,0 +1,170 @@
+"""Pipeline parallelism: which stage runs which layers, and the schedules that drive them.
+
+The model is the layer sequence `embed, blocks.0 .. blocks.{L-1}, head`. The splitter gives each
+of the pp x V stages a contiguous run of blocks (the first stage also the embedding, the last
+also the head), either balanced by cost or from an explicit layout. Rank r of the pp group runs
+stages r, r + pp, ... (interleaved schedules) or r and 2pp-1-r (V-shaped schedules).
+
+`--pp-layout` lists the blocks of each stage in order, e.g. `3,5,5,3` for 16 blocks on 4 stages;
+the embedding always goes with the first stage and the head with the last.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from models import spec
+from models.errors import UserError
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "looped-bfs": ScheduleLoopedBFS,
+    "zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+SINGLE_STAGE = ("gpipe", "1f1b")
+V_SHAPED = ("zbv",)
+
+
+def validate_schedule(schedule: str, pp: int, virtual: int, num_microbatches: int, num_blocks: int,
+                      layout: str | None) -> None:
+    """Every pipeline check that needs no memory, with what to change."""
+    if schedule not in SCHEDULES:
+        raise UserError(f"unknown --pp-schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if virtual < 1:
+        raise UserError(f"--pp-virtual-stages {virtual} must be >= 1")
+    if schedule in SINGLE_STAGE and virtual != 1:
+        raise UserError(f"--pp-schedule {schedule} runs one stage per rank; use --pp-virtual-stages 1 "
+                        f"or an interleaved schedule")
+    if schedule in V_SHAPED and virtual != 2:
+        raise UserError(f"--pp-schedule {schedule} needs --pp-virtual-stages 2 (a V of two stages per rank)")
+    num_stages = pp * virtual
+    if num_blocks < num_stages:
+        raise UserError(f"{num_blocks} blocks cannot fill pp={pp} x {virtual} virtual stages = {num_stages} "
+                        f"stages; lower pp or --pp-virtual-stages")
+    if num_microbatches < pp:
+        raise UserError(f"{num_microbatches} micro-batches per step are fewer than pp={pp} stages; raise "
+                        f"--global-batch or lower --micro-batch so each rank runs >= {pp}")
+    if schedule not in SINGLE_STAGE and num_microbatches % pp:
+        raise UserError(f"--pp-schedule {schedule} needs the micro-batches per step ({num_microbatches}) to "
+                        f"be a multiple of pp={pp}; change --global-batch or --micro-batch")
+    if layout:
+        parse_layout(layout, num_blocks, num_stages)
+
+
+def parse_layout(layout: str, num_blocks: int, num_stages: int) -> list[int]:
+    try:
+        counts = [int(part) for part in layout.split(",")]
+    except ValueError:
+        raise UserError(f"--pp-layout {layout!r} must be comma-separated block counts, e.g. 3,5,5,3") from None
+    if len(counts) != num_stages:
+        raise UserError(f"--pp-layout {layout!r} names {len(counts)} stages but the mesh has {num_stages} "
+                        f"(pp x --pp-virtual-stages)")
+    if min(counts) < 1:
+        raise UserError(f"--pp-layout {layout!r}: every stage needs at least one block")
+    if sum(counts) != num_blocks:
+        raise UserError(f"--pp-layout {layout!r} places {sum(counts)} blocks but the model has {num_blocks}")
+    return counts
+
+
+def balanced_layout(num_blocks: int, num_stages: int, embed_cost: float, head_cost: float) -> list[int]:
+    """Blocks per stage so that each stage's cost is as close as possible to an equal share,
+    counting the embedding (first stage) and the head (last stage) in units of one block."""
+    total = embed_cost + num_blocks + head_cost
+    boundaries, previous = [], 0
+    for stage in range(num_stages - 1):
+        ideal = round((stage + 1) * total / num_stages - embed_cost)
+        # At least one block per stage, and enough blocks left for the stages after this one.
+        boundary = min(max(ideal, previous + 1), num_blocks - (num_stages - 1 - stage))
+        boundaries.append(boundary)
+        previous = boundary
+    edges = [0, *boundaries, num_blocks]
+    return [end - start for start, end in zip(edges, edges[1:])]
+
+
+def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(virtual)]
+
+
+def stage_layers(layers: list[spec.Layer], counts: list[int], stage: int) -> list[spec.Layer]:
+    """The layers of one stage: its blocks, with the embedding first / the head last."""
+    blocks = [layer for layer in layers if layer.name.startswith("blocks.")]
+    start = sum(counts[:stage])
+    chosen = blocks[start:start + counts[stage]]
+    if stage == 0:
+        chosen = [layers[0], *chosen]
+    if stage == len(counts) - 1:
+        chosen = [*chosen, layers[-1]]
+    return chosen
+
+
+def layer_costs(layers: list[spec.Layer]) -> tuple[float, float]:
+    """Embedding and head cost in blocks, by matmul parameters (the lookup costs little)."""
+    def matmul_params(layer: spec.Layer) -> int:
+        return sum(math.prod(s.shape) for _, s in spec.flatten(layer.params) if len(s.shape) >= 2)
+
+    block = matmul_params(layers[1])
+    return 0.0, matmul_params(layers[-1]) / block
+
+
+def build_schedule(stage_modules, stage_indices: list[int], num_stages: int, schedule: str,
+                   num_microbatches: int, loss_fn, device, group):
+    stages = [PipelineStage(module, index, num_stages, device, group=group)
+              for module, index in zip(stage_modules, stage_indices)]
+    schedule_cls = SCHEDULES[schedule]
+    # The loss function already scales each micro-batch's loss to the global batch.
+    if schedule in SINGLE_STAGE:
+        return schedule_cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class PipelineRunner:
+    """Drives this rank's stages through one schedule step per optimizer step."""
+
+    def __init__(self, parts, stage_indices: list[int], num_stages: int, schedule: str,
+                 num_microbatches: int, device, group, loss_scale: float):
+        self.parts = parts
+        self.has_first = 0 in stage_indices
+        self.has_last = num_stages - 1 in stage_indices
+        last = parts[stage_indices.index(num_stages - 1)] if self.has_last else None
+        self.aux = None
+        for part in parts:
+            part.pipelined = True
+
+        def loss_fn(hidden, labels):
+            # Runs on the last stage: head, loss, and the scale to the global batch.
+            return last.head_loss(hidden, attrs.evolve(self.aux, labels=labels)) * loss_scale
+
+        self.loss_scale = loss_scale
+        self.schedule = build_schedule(parts, stage_indices, num_stages, schedule, num_microbatches,
+                                       loss_fn, device, group)
+
+    def step(self, inputs, labels, aux) -> torch.Tensor:
+        """Forward and backward of all micro-batches; the summed (unscaled) loss of this rank's
+        last stage, zero on ranks without it."""
+        self.aux = aux
+        for part in self.parts:
+            part.stage_aux = aux
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        target = labels if self.has_last else None
+        self.schedule.step(*args, target=target, losses=losses)
+        if not losses:
+            return torch.zeros((), device=labels.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum() / self.loss_scale

@@ -1,0 +1,81 @@
+"""Pipeline parallelism: loss parity of every schedule against one process (CPU, gloo, fp32,
+10 steps, relative difference <= 1e-4 at every step), the splitter, and bad layouts."""
+
+import pytest
+
+from models.errors import UserError
+from parallel import pipeline
+from tests.launch import train_scalars
+
+LOSS_RTOL = 1e-4
+
+CASES = [
+    (["--mesh", "pp=2"], 2),                                                   # 1f1b, balanced [3, 1]
+    (["--mesh", "pp=2", "--pp-schedule", "gpipe", "--pp-layout", "1,3"], 2),  # uneven layout
+    (["--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b", "--pp-virtual-stages", "2"], 2),
+    (["--mesh", "pp=2", "--pp-schedule", "zbv", "--pp-virtual-stages", "2"], 2),  # zero bubble, V shape
+    (["--mesh", "pp=2", "--pp-schedule", "zb", "--pp-virtual-stages", "2"], 2),
+    (["--mesh", "pp=2,tp=2", "--sequence-parallel"], 4),
+    (["--mesh", "dp=2,pp=2"], 4),
+]
+
+
+@pytest.fixture(scope="module")
+def single_run_16(tmp_path_factory):
+    # Four micro-batches per data-parallel rank at dp=2 need a global batch of 16.
+    return train_scalars(tmp_path_factory.mktemp("single16"), ["--global-batch", "16"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,nproc", CASES, ids=[" ".join(m) for m, _ in CASES])
+def test_pipeline_matches_one_process(tmp_path, single_run_16, mesh, nproc):
+    parallel = train_scalars(tmp_path, [*mesh, "--global-batch", "16"], nproc=nproc)
+    for step, (a, e) in enumerate(zip(parallel["train/loss"], single_run_16["train/loss"]), 1):
+        assert abs(a - e) <= LOSS_RTOL * abs(e), f"loss at step {step} on {mesh}: {a} vs one process {e}"
+    for step, (a, e) in enumerate(zip(parallel["train/grad_norm"], single_run_16["train/grad_norm"]), 1):
+        assert abs(a - e) <= LOSS_RTOL * abs(e), f"grad norm at step {step} on {mesh}: {a} vs {e}"
+    assert len(parallel["train/loss"]) == 10
+
+
+def test_balanced_layout_counts_the_head():
+    # 16 blocks, 4 stages, a head that costs 1.5 blocks: the last stage gets fewer blocks.
+    assert pipeline.balanced_layout(16, 4, 0.0, 1.5) == [4, 5, 4, 3]
+    assert pipeline.balanced_layout(16, 4, 0.0, 0.0) == [4, 4, 4, 4]
+    # Never an empty stage, even when the head outweighs everything.
+    assert pipeline.balanced_layout(4, 4, 0.0, 10.0) == [1, 1, 1, 1]
+    for blocks, stages, head in [(32, 8, 1.2), (126, 16, 2.7), (5, 4, 0.0)]:
+        counts = pipeline.balanced_layout(blocks, stages, 0.0, head)
+        assert sum(counts) == blocks and len(counts) == stages and min(counts) >= 1
+
+
+def test_stage_assignment():
+    assert pipeline.stage_ids(1, 4, 2, "interleaved-1f1b") == [1, 5]
+    assert pipeline.stage_ids(1, 4, 2, "zbv") == [1, 6]
+    from models import llama
+    from models.config import get_model_config
+
+    layers = llama.layers(get_model_config("tiny"))
+    names = [[layer.name for layer in pipeline.stage_layers(layers, [1, 3], s)] for s in (0, 1)]
+    assert names == [["embed", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "head"]]
+
+
+BAD = [
+    (dict(layout="1,2"), "places 3 blocks but the model has 4"),
+    (dict(layout="4,0"), "every stage needs at least one block"),
+    (dict(layout="1,1,2"), "names 3 stages but the mesh has 2"),
+    (dict(layout="a,b"), "comma-separated block counts"),
+    (dict(schedule="fancy"), "unknown --pp-schedule 'fancy'"),
+    (dict(virtual=2), "runs one stage per rank"),
+    (dict(schedule="zbv"), "needs --pp-virtual-stages 2"),
+    (dict(micro=1), "fewer than pp=2 stages"),
+    (dict(schedule="interleaved-1f1b", virtual=2, micro=3), "multiple of pp=2"),
+    (dict(schedule="interleaved-1f1b", virtual=4, micro=4), "4 blocks cannot fill"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
+def test_bad_pipeline_settings(kwargs, message):
+    args = dict(schedule="1f1b", pp=2, virtual=1, micro=4, blocks=4, layout=None) | kwargs
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pipeline.validate_schedule(args["schedule"], args["pp"], args["virtual"], args["micro"],
+                                   args["blocks"], args["layout"])
