@@ -10,6 +10,7 @@ from dtrain.config import Config
 from models import llama
 from models.config import LlamaConfig, get_model_config
 from models.errors import UserError
+from parallel import pipeline
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
 
@@ -30,9 +31,8 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
         )
     if mesh_spec.ep > 1:
         raise UserError(f"ep={mesh_spec.ep} needs a mixture-of-experts model; {config.model.model} is dense")
-    for name in ("pp", "cp"):
-        if getattr(mesh_spec, name) > 1:
-            raise UserError(f"{name}={getattr(mesh_spec, name)} is not available yet; use dp, dp_replicate and tp")
+    if mesh_spec.cp > 1:
+        raise UserError(f"cp={mesh_spec.cp} is not available yet; use dp, dp_replicate, tp and pp")
     d, t = config.data, config.train
     for name, value in (("--seq-len", d.seq_len), ("--micro-batch", d.micro_batch),
                         ("--global-batch", d.global_batch), ("--steps", t.steps)):
@@ -49,6 +49,13 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
         raise UserError("--async-tp needs --compile, --sequence-parallel, a mesh with tp > 1 and CUDA GPUs")
     if config.optim.warmup_steps < 0 or config.optim.lr <= 0:
         raise UserError("--lr must be > 0 and --warmup-steps >= 0")
+    if mesh_spec.pp > 1:
+        if model_cfg.tie_embeddings:
+            raise UserError(f"model {config.model.model} ties its embedding and head, which pp={mesh_spec.pp} "
+                            f"puts on different ranks; use --model-overrides tie_embeddings=false or pp=1")
+        p = config.parallel
+        pipeline.validate_schedule(p.pp_schedule, mesh_spec.pp, p.pp_virtual_stages,
+                                   d.global_batch // per_step, model_cfg.num_layers, p.pp_layout)
     data_lib.validate_data_args(d.data, d.tokenizer)
     return mesh_spec, model_cfg
 
