@@ -16,7 +16,8 @@ def build_optimizer(model_parts: list[nn.Module], args: OptimArgs) -> torch.opti
     decay, no_decay = [], []
     for part in model_parts:
         for name, param in part.named_parameters():
-            (decay if part.specs[name].weight_decay else no_decay).append(param)
+            if param.requires_grad:
+                (decay if part.specs[name].weight_decay else no_decay).append(param)
     groups = [
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -7,8 +7,8 @@ import torch
 from dtrain import data as data_lib
 from dtrain import distributed
 from dtrain.config import Config
-from models import llama
-from models.config import LlamaConfig, get_model_config
+from models import families
+from models.config import LlamaConfig, MoEConfig, get_model_config
 from models.errors import UserError
 from parallel import pipeline
 from parallel.mesh import MeshSpec
@@ -29,8 +29,16 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
             f"model {config.model.model} has num_kv_heads={kv_heads} and tp={tp}: one must divide the "
             f"other (KV heads are split, or replicated over groups of tp ranks); change tp"
         )
-    if mesh_spec.ep > 1:
+    is_moe = isinstance(model_cfg, MoEConfig)
+    if mesh_spec.ep > 1 and not is_moe:
         raise UserError(f"ep={mesh_spec.ep} needs a mixture-of-experts model; {config.model.model} is dense")
+    if mesh_spec.ep > 1 and model_cfg.num_experts % mesh_spec.ep:
+        raise UserError(f"model {config.model.model} has {model_cfg.num_experts} experts, not divisible by "
+                        f"ep={mesh_spec.ep}; choose an ep that divides {model_cfg.num_experts}")
+    if mesh_spec.ep > 1:
+        raise UserError(f"ep={mesh_spec.ep} is not available yet; MoE models train with ep=1 for now")
+    if is_moe and mesh_spec.tp > 1:
+        raise UserError(f"tp={mesh_spec.tp} with the MoE model {config.model.model} is not available yet; use tp=1")
     if mesh_spec.cp > 1:
         raise UserError(f"cp={mesh_spec.cp} is not available yet; use dp, dp_replicate, tp and pp")
     d, t = config.data, config.train
@@ -66,7 +74,7 @@ def print_plan(config: Config) -> None:
     mesh_spec = MeshSpec.parse(config.parallel.mesh, world_size)
     _, model_cfg = validate(config, mesh_spec.world_size)
     plan = build_plan(config, mesh_spec, model_cfg)
-    print(plan.describe(llama.layers(model_cfg)))
+    print(plan.describe(families.layers(model_cfg)))
 
 
 def build_plan(config: Config, mesh_spec: MeshSpec, model_cfg: LlamaConfig) -> Plan:

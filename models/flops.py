@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import math
 
-from models import llama, mixtral, spec
+from models import families, mixtral, spec
 from models.config import LlamaConfig, MoEConfig
-
-
-def model_layers(cfg: LlamaConfig | MoEConfig) -> list[spec.Layer]:
-    """The layer sequence of whichever model family `cfg` describes."""
-    return mixtral.layers(cfg) if isinstance(cfg, MoEConfig) else llama.layers(cfg)
 
 
 def _active_size(param: spec.ParamSpec, cfg: LlamaConfig | MoEConfig) -> int:
@@ -23,7 +18,7 @@ def _active_size(param: spec.ParamSpec, cfg: LlamaConfig | MoEConfig) -> int:
 
 def active_params(cfg: LlamaConfig | MoEConfig) -> int:
     """Parameters one token uses, embeddings included (the "active" count MoE papers publish)."""
-    return sum(_active_size(p, cfg) for layer in model_layers(cfg) for _, p in spec.flatten(layer.params))
+    return sum(_active_size(p, cfg) for layer in families.layers(cfg) for _, p in spec.flatten(layer.params))
 
 
 def matmul_params(cfg: LlamaConfig | MoEConfig) -> int:
@@ -31,7 +26,7 @@ def matmul_params(cfg: LlamaConfig | MoEConfig) -> int:
     embedding; the output head counts, also when it is tied to the embedding. For MoE only the
     active experts count; the router (a matmul over all experts) counts whole."""
     total = 0
-    for layer in model_layers(cfg):
+    for layer in families.layers(cfg):
         if layer.name == "embed":
             continue
         total += sum(_active_size(s, cfg) for _, s in spec.flatten(layer.params) if len(s.shape) >= 2)

@@ -230,8 +230,9 @@ def moe_params(cfg: MoEConfig, std: float, out_std: float) -> dict[str, Any]:
     """Parameter specs of one MoE feed-forward."""
     e, f, d = cfg.num_experts, cfg.expert_ffn_dim, cfg.dim
     params: dict[str, Any] = {
-        # Small ([E, embed]); the plan is expected to keep it replicated.
-        "router": spec.normal((e, d), ("expert", "embed"), std),
+        # Small ([E, embed]) and needed whole by every rank: its own "router" axis, which the
+        # plan leaves unsplit (unlike "expert", which expert parallelism splits).
+        "router": spec.normal((e, d), ("router", "embed"), std),
         "experts": {
             "w_gate": spec.normal((e, f, d), ("expert", "mlp", "embed"), std),
             "w_up": spec.normal((e, f, d), ("expert", "mlp", "embed"), std),
@@ -241,7 +242,8 @@ def moe_params(cfg: MoEConfig, std: float, out_std: float) -> dict[str, Any]:
     if cfg.bias_update_rate > 0:
         # Zeros (a normal of std 0). It gets no gradient: it only moves the top-k choice, and
         # `update_expert_bias` changes it after each optimizer step.
-        params["router_bias"] = spec.ParamSpec((e,), ("expert",), "normal", 0.0, weight_decay=False)
+        params["router_bias"] = spec.ParamSpec((e,), ("router",), "normal", 0.0, weight_decay=False,
+                                               trainable=False)
     if cfg.num_shared_experts:
         width = cfg.num_shared_experts * f
         params["shared"] = {
@@ -250,14 +252,6 @@ def moe_params(cfg: MoEConfig, std: float, out_std: float) -> dict[str, Any]:
             "w_down": spec.normal((d, width), ("embed", "mlp"), out_std),
         }
     return params
-
-
-# Parameters that the optimizer must leave alone (they get no gradient).
-NON_TRAINABLE = ("router_bias",)
-
-
-def is_trainable(path: str) -> bool:
-    return path.rsplit(".", 1)[-1] not in NON_TRAINABLE
 
 
 def update_expert_bias(params: dict[str, Any], stats: RouterStats, rate: float) -> None:

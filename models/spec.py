@@ -17,7 +17,7 @@ import attrs
 import torch
 
 # The logical axes that parameters and activations may name. The sharding plan maps them to mesh axes.
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp", "expert")
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp", "expert", "router")
 ACTIVATION_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "mlp", "vocab", "head_dim")
 
 
@@ -30,6 +30,7 @@ class ParamSpec:
     init: str = "normal"  # "normal" (with std) or "ones"
     std: float = 0.02
     weight_decay: bool = True
+    trainable: bool = True  # False: no gradient, no optimizer state (e.g. a router's balancing bias)
 
     def __attrs_post_init__(self) -> None:
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)

@@ -28,7 +28,7 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
         value = torch.empty(param.shape, device="meta")
         if param_mesh is not None:
             value = distribute_tensor(value, param_mesh, plan.param_placements(param.axes), src_data_rank=None)
-        return nn.Parameter(value)
+        return nn.Parameter(value, requires_grad=param.trainable)
 
     model = ModelModule(layers, make_param, ctx)
     for block in model.blocks.values():
