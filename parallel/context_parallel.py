@@ -1,0 +1,339 @@
+"""Context-parallel causal attention: every sample's sequence split over the ranks of a cp group.
+
+Causal load balancing: the sequence is cut into 2*cp chunks and cp rank i holds chunks i and
+2*cp-1-i (in that order), so every rank has one early (cheap) and one late (costly) chunk of queries
+and all ranks do the same attention work. Three ways to attend over the whole sequence:
+
+- allgather: gather every rank's K/V, attend with per-chunk causal masks; backward reduce-scatters dK/dV.
+- ring: K/V blocks travel round the ring while the previous block is attended to; partial results
+  merge by log-sum-exp; in backward dK/dV travel round the ring with them back to their owner.
+- a2a (Ulysses): all-to-all from sequence shards to head shards, full causal attention, all-to-all back.
+
+torch's own `context_parallel()` only intercepts CUDA SDPA ops (TORCH-NOTES.md), hence this module: it
+runs on CPU with math attention (what the tests check) and on CUDA through SDPA limited to the cuDNN,
+flash and math kernels. The memory-efficient kernel is never allowed: it gives wrong dq/dk under
+load-balanced context parallelism. The ring needs each block's log-sum-exp, so its blocks are fp32
+math on every device for now; a cuDNN/flash block kernel would be its GPU fast path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+from models.errors import UserError
+
+CP_METHODS = ("allgather", "ring", "a2a")
+
+# Kept here rather than imported from parallel.context, which dispatches to this module.
+_CUDA_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+# torch 2.13 renamed all_gather_tensor* to all_gather_single* (the old names warn); 2.11 has only the old.
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+def _check_sequence_splits(seq_len: int, cp_size: int) -> None:
+    if seq_len % (2 * cp_size):
+        raise UserError(
+            f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp_size} (load-balanced context "
+            f"parallelism cuts it into 2 x cp chunks); make the sequence length a multiple of {2 * cp_size}"
+        )
+
+
+def load_balance_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global token positions held by cp_rank (chunks i and 2cp-1-i); int64 [seq_len // cp_size]."""
+    _check_sequence_splits(seq_len, cp_size)
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside 0..{cp_size - 1}")
+    chunk = seq_len // (2 * cp_size)
+    late = 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk), torch.arange(late * chunk, (late + 1) * chunk)])
+
+
+def shard_sequence(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's load-balanced part of a full-sequence tensor (tokens, labels, positions)."""
+    _check_sequence_splits(x.shape[dim], cp_size)
+    chunks = x.chunk(2 * cp_size, dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim)
+
+
+def _rank_major_positions(seq_len: int, cp_size: int, device: torch.device) -> torch.Tensor:
+    """Global position of each row of a sequence gathered rank after rank (rank 0's tokens first)."""
+    positions = [load_balance_indices(seq_len, cp_size, rank) for rank in range(cp_size)]
+    return torch.cat(positions).to(device)
+
+
+def _kernel_choice(device: torch.device):
+    if device.type == "cuda":
+        return sdpa_kernel(_CUDA_SDPA_BACKENDS, set_priority=True)
+    return contextlib.nullcontext()
+
+
+def _sdpa(q, k, v, *, mask: CausalBias | None = None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA on [batch, seq, heads, head_dim] tensors, GQA by head groups, never the efficient kernel."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    with _kernel_choice(q.device):
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=k.shape[1] != q.shape[1]
+        )
+    return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# allgather: every rank sees all K/V; per-chunk causal masks in global positions.
+
+
+def _allgather_attention(q, k, v, group, cp_size: int) -> torch.Tensor:
+    batch, local_seq, _, head_dim = q.shape
+    kv_heads, seq_len = k.shape[2], local_seq * cp_size
+    # One collective for K and V; under GQA only the kv heads travel. Its autograd backward is a
+    # reduce-scatter: each rank gets the dK/dV that all ranks' queries gave its tokens.
+    kv = torch.cat([k, v], dim=2).contiguous()
+    gathered = _all_gather_autograd(kv, 0, group)  # [cp * batch, local_seq, 2 * kv_heads, head_dim]
+    gathered = gathered.view(cp_size, batch, local_seq, 2 * kv_heads, head_dim).transpose(0, 1)
+    gathered = gathered.reshape(batch, seq_len, 2 * kv_heads, head_dim)
+    kv_global = gathered.index_select(1, torch.argsort(_rank_major_positions(seq_len, cp_size, q.device)))
+    k_all, v_all = kv_global.split(kv_heads, dim=2)
+
+    # On the host: only the chunk ends are read, and reading them from a GPU would sync it.
+    query_positions = load_balance_indices(seq_len, cp_size, dist.get_rank(group))
+    chunk = local_seq // 2
+    outputs = []
+    for q_chunk, positions in zip(q.split(chunk, dim=1), query_positions.split(chunk)):
+        # Keys past the chunk's last query are masked for all of it: leave them out of the kernel.
+        # What remains is causal aligned to the bottom right: query i sees keys up to i + visible - chunk,
+        # which flash runs natively on CUDA; on CPU the bias becomes a boolean mask for math attention.
+        visible = int(positions[-1]) + 1
+        mask = causal_lower_right(chunk, visible)
+        outputs.append(_sdpa(q_chunk, k_all[:, :visible], v_all[:, :visible], mask=mask))
+    return torch.cat(outputs, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# a2a (Ulysses): trade the sequence split for a head split and back.
+
+
+def _check_heads_split(heads: int, kv_heads: int, cp_size: int) -> None:
+    if heads % cp_size or kv_heads % cp_size:
+        raise UserError(
+            f"a2a context parallelism splits the heads over cp={cp_size} ranks, but the model has {heads} "
+            f"query heads and {kv_heads} KV heads; use a cp that divides both, or method 'allgather' or 'ring'"
+        )
+
+
+def _a2a_attention(q, k, v, group, cp_size: int) -> torch.Tensor:
+    batch, local_seq, heads, head_dim = q.shape
+    kv_heads, seq_len = k.shape[2], local_seq * cp_size
+
+    def grouped_by_destination(t):  # [cp, batch, local_seq, heads_of_t / cp, head_dim]
+        return t.reshape(batch, local_seq, cp_size, t.shape[2] // cp_size, head_dim).permute(2, 0, 1, 3, 4)
+
+    # q, k and v travel in one all-to-all; rank j receives every rank's tokens for its head group j.
+    packed = torch.cat([grouped_by_destination(t) for t in (q, k, v)], dim=3).contiguous()
+    received = funcol.all_to_all_single_autograd(packed, None, None, group)
+    received = received.permute(1, 0, 2, 3, 4).reshape(batch, seq_len, -1, head_dim)
+    # Tokens arrive rank after rank in load-balanced order; in global order plain causal attention applies.
+    rank_major = _rank_major_positions(seq_len, cp_size, q.device)
+    received = received.index_select(1, torch.argsort(rank_major))
+    q_heads, k_heads, v_heads = received.split([heads // cp_size, kv_heads // cp_size, kv_heads // cp_size], dim=2)
+    out = _sdpa(q_heads, k_heads, v_heads, is_causal=True)  # [batch, seq, heads / cp, head_dim]
+
+    out = out.index_select(1, rank_major).reshape(batch, cp_size, local_seq, heads // cp_size, head_dim)
+    out = funcol.all_to_all_single_autograd(out.transpose(0, 1).contiguous(), None, None, group)
+    return out.permute(1, 2, 0, 3, 4).reshape(batch, local_seq, heads, head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# ring: block attention with its log-sum-exp, in fp32. Layouts: q, out [batch, seq_q, heads, head_dim],
+# k, v [batch, seq_k, kv_heads, head_dim], lse and delta [batch, seq_q, heads]. The query heads of one
+# kv head are adjacent, as in SDPA's enable_gqa; scores are [batch, kv_heads, group, seq_q, seq_k].
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    batch, seq, heads, head_dim = q.shape
+    return q.float().view(batch, seq, kv_heads, heads // kv_heads, head_dim)
+
+
+def _per_query_to_scores(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[batch, seq_q, heads] -> [batch, kv_heads, group, seq_q, 1], broadcastable against scores."""
+    batch, seq, heads = x.shape
+    return x.view(batch, seq, kv_heads, heads // kv_heads).permute(0, 2, 3, 1).unsqueeze(-1)
+
+
+def _block_scores(q, k, causal: bool) -> torch.Tensor:
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", _grouped(q, k.shape[2]), k.float()) * q.shape[-1] ** -0.5
+    if causal:  # only square diagonal blocks are causal; their local order is the global order
+        future = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def _block_attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = _block_scores(q, k, causal)
+    lse = scores.logsumexp(dim=-1, keepdim=True)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", (scores - lse).exp(), v.float())
+    return out.flatten(2, 3), lse.squeeze(-1).permute(0, 3, 1, 2).flatten(2)
+
+
+def _block_attention_backward(q, k, v, grad_out, lse, delta, causal: bool):
+    """dq, dk, dv (fp32) of one block, given the final lse and delta = rowsum(grad_out * out) of the
+    whole attention: with them the block's probabilities are its true share of each row's softmax."""
+    kv_heads = k.shape[2]
+    probs = (_block_scores(q, k, causal) - _per_query_to_scores(lse, kv_heads)).exp()
+    grad_out = _grouped(grad_out, kv_heads)
+    grad_v = torch.einsum("bhgqk,bqhgd->bkhd", probs, grad_out)
+    grad_probs = torch.einsum("bqhgd,bkhd->bhgqk", grad_out, v.float())
+    grad_scores = probs * (grad_probs - _per_query_to_scores(delta, kv_heads)) * q.shape[-1] ** -0.5
+    grad_q = torch.einsum("bhgqk,bkhd->bqhgd", grad_scores, k.float()).flatten(2, 3)
+    grad_k = torch.einsum("bhgqk,bqhgd->bkhd", grad_scores, _grouped(q, kv_heads))
+    return grad_q, grad_k, grad_v
+
+
+def _merge_into(out, lse, block_out, block_lse) -> None:
+    """In place: combine two partial softmax results over disjoint keys by their log-sum-exps."""
+    merged_lse = torch.logaddexp(lse, block_lse)
+    out.mul_((lse - merged_lse).exp().unsqueeze(-1)).add_(block_out * (block_lse - merged_lse).exp().unsqueeze(-1))
+    lse.copy_(merged_lse)
+
+
+class _RingShift:
+    """Sends a tensor to the next rank of the ring and receives the previous rank's, asynchronously."""
+
+    def __init__(self, group):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group
+        self.next_rank = dist.get_global_rank(group, (rank + 1) % size)
+        self.previous_rank = dist.get_global_rank(group, (rank - 1) % size)
+
+    def start(self, tensor: torch.Tensor, tag: int):
+        received = torch.empty_like(tensor)
+        # Distinct tags keep K/V and dK/dV messages apart where both are in flight (gloo matches by tag).
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, tensor, self.next_rank, self.group, tag),
+            dist.P2POp(dist.irecv, received, self.previous_rank, self.group, tag),
+        ])
+        return works, received
+
+    @staticmethod
+    def finish(pending) -> torch.Tensor:
+        works, received = pending
+        for work in works:
+            work.wait()
+        return received
+
+
+_KV_TAG, _GRAD_KV_TAG = 0, 1
+
+
+class _RingAttention(torch.autograd.Function):
+    """At step s rank r holds the K/V of rank (r - s) mod cp. Against its own K/V a rank's queries are
+    plain causal (its two chunks are in global order); against an earlier rank's (source < r), all local
+    queries see only that rank's early chunk; against a later rank's, only the local late chunk sees
+    anything, and it sees both chunks. So after the diagonal every step is the same half-size block."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        ring, rank, cp_size = _RingShift(group), dist.get_rank(group), dist.get_world_size(group)
+        half, kv_heads = q.shape[1] // 2, k.shape[2]
+        kv = torch.cat([k, v], dim=2).contiguous()
+        out = lse = None
+        for step in range(cp_size):
+            source = (rank - step) % cp_size
+            # Issue the next block's transfer before this block's attention so the two overlap.
+            pending = ring.start(kv, _KV_TAG) if step + 1 < cp_size else None
+            block_k, block_v = kv.split(kv_heads, dim=2)
+            if step == 0:
+                out, lse = _block_attention(q, block_k, block_v, causal=True)
+            elif source < rank:
+                _merge_into(out, lse, *_block_attention(q, block_k[:, :half], block_v[:, :half], causal=False))
+            else:
+                _merge_into(out[:, half:], lse[:, half:], *_block_attention(q[:, half:], block_k, block_v, causal=False))
+            if pending is not None:
+                kv = ring.finish(pending)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, rank, cp_size = _RingShift(ctx.group), dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        half, kv_heads = q.shape[1] // 2, k.shape[2]
+        grad_out = grad_out.float()
+        delta = (grad_out * out.float()).sum(-1)
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.cat([k, v], dim=2).contiguous()
+        pending_grad_kv = None
+        for step in range(cp_size):
+            source = (rank - step) % cp_size
+            pending_kv = ring.start(kv, _KV_TAG) if step + 1 < cp_size else None
+            block_k, block_v = kv.split(kv_heads, dim=2)
+            # fp32 so that the cp partial sums of dK/dV do not round on the way.
+            grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            grad_k, grad_v = grad_kv.split(kv_heads, dim=2)
+            if step == 0:
+                block = _block_attention_backward(q, block_k, block_v, grad_out, lse, delta, causal=True)
+                grad_q += block[0]
+                grad_k += block[1]
+                grad_v += block[2]
+            elif source < rank:
+                block = _block_attention_backward(
+                    q, block_k[:, :half], block_v[:, :half], grad_out, lse, delta, causal=False
+                )
+                grad_q += block[0]
+                grad_k[:, :half] += block[1]
+                grad_v[:, :half] += block[2]
+            else:
+                block = _block_attention_backward(
+                    q[:, half:], block_k, block_v, grad_out[:, half:], lse[:, half:], delta[:, half:], causal=False
+                )
+                grad_q[:, half:] += block[0]
+                grad_k += block[1]
+                grad_v += block[2]
+            # The dK/dV of this block's owner arrive from the previous rank, which held it a step ago;
+            # add ours and pass them on. After the last step the next send brings them home.
+            if pending_grad_kv is not None:
+                grad_kv += ring.finish(pending_grad_kv)
+            pending_grad_kv = ring.start(grad_kv, _GRAD_KV_TAG)
+            if pending_kv is not None:
+                kv = ring.finish(pending_kv)
+        grad_k, grad_v = ring.finish(pending_grad_kv).split(kv_heads, dim=2)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str) -> torch.Tensor:
+    """Causal attention of this rank's load-balanced queries over the whole sequence of the cp group.
+
+    q [batch, local_seq, heads, head_dim], k and v [batch, local_seq, kv_heads, head_dim] hold this
+    rank's tokens in `shard_sequence` order; the output has q's layout.
+    method in ("allgather", "ring", "a2a"); raises models.errors.UserError for an unknown method
+    and for a2a when heads or kv_heads are not divisible by cp."""
+    if method not in CP_METHODS:
+        raise UserError(f"unknown context-parallel attention method {method!r}; use one of {', '.join(CP_METHODS)}")
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads % kv_heads:
+        raise UserError(f"{heads} query heads are not a multiple of {kv_heads} KV heads; change num_kv_heads")
+    cp_size = dist.get_world_size(group)
+    if method == "a2a":
+        _check_heads_split(heads, kv_heads, cp_size)
+    if q.shape[1] % 2:
+        raise UserError(
+            f"local sequence length {q.shape[1]} is odd; the sequence must be a multiple of 2 x cp = {2 * cp_size}"
+        )
+    if cp_size == 1:  # one rank holds chunks 0 and 1: the sequence in its own order
+        return _sdpa(q, k, v, is_causal=True)
+    if method == "allgather":
+        return _allgather_attention(q, k, v, group, cp_size)
+    if method == "a2a":
+        return _a2a_attention(q, k, v, group, cp_size)
+    return _RingAttention.apply(q, k, v, group)

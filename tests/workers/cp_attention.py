@@ -1,0 +1,94 @@
+"""Spawned by tests/test_context_parallel_attention.py: each of cp ranks (gloo on CPU, NCCL when run
+by hand on GPUs) runs every case and method of context-parallel attention, compares its output and
+dq/dk/dv with the matching rows of full causal attention of the unsplit sequence (every rank computes
+that reference from the same seeded data), and writes the relative errors to rank<r>.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from models.context import causal_attention
+from models.errors import UserError
+from parallel.context_parallel import CP_METHODS, context_parallel_attention, shard_sequence
+
+# name -> (batch, seq_len, heads, kv_heads, head_dim); every seq_len divisible by 2 x 4.
+CASES = {
+    "gqa_batch2": (2, 16, 4, 2, 8),
+    "mha": (1, 8, 4, 4, 16),
+    "gqa_8_4_long": (2, 32, 8, 4, 8),
+    "mqa": (1, 16, 4, 1, 8),
+}
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max())
+
+
+def _random_inputs(batch, seq_len, heads, kv_heads, head_dim, seed, device="cpu", dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(batch, seq_len, n, head_dim) for n in (heads, kv_heads, kv_heads, heads)]
+    return [torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes]
+
+
+def _check_case(shape, seed, method, group, cp, rank, device="cpu", dtype=torch.float32) -> dict[str, float]:
+    q, k, v, grad = _random_inputs(*shape, seed, device, dtype)
+    # The reference is fp32 math attention of the same (possibly bf16-rounded) inputs.
+    full = [t.detach().to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]
+    reference = causal_attention(*full)
+    reference.backward(grad.float())
+    expected = {"out": reference.detach(), "dq": full[0].grad, "dk": full[1].grad, "dv": full[2].grad}
+
+    local = [shard_sequence(t, cp, rank).requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*local, group=group, method=method)
+    out.backward(shard_sequence(grad, cp, rank).contiguous())
+    actual = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+    return {
+        name: _relative_error(actual[name].float(), shard_sequence(expected[name], cp, rank)) for name in expected
+    }
+
+
+def _user_error(*shape_and_method, group) -> str | None:
+    *shape, method = shape_and_method
+    q, k, v, _ = _random_inputs(*shape, seed=0)
+    try:
+        context_parallel_attention(q, k, v, group=group, method=method)
+    except UserError as error:
+        return str(error)
+    return None
+
+
+def main(rank: int, cp: int, out_dir: str, device: str = "cpu", dtype_name: str = "float32") -> None:
+    """On CPU (the tests) gloo and fp32; with device "cuda" (a manual check on GPUs) NCCL, one GPU a rank."""
+    torch.set_num_threads(1)
+    dtype = getattr(torch, dtype_name)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{out_dir}/store", rank=rank, world_size=cp)
+    group = dist.group.WORLD
+    results: dict[str, object] = {}
+    for seed, (name, shape) in enumerate(CASES.items()):
+        heads, kv_heads = shape[2], shape[3]
+        for method in CP_METHODS:
+            if method == "a2a" and (heads % cp or kv_heads % cp):
+                continue
+            results[f"{name}/{method}"] = _check_case(shape, seed + 1, method, group, cp, rank, device, dtype)
+    results["error/a2a_kv_heads"] = _user_error(1, 4 * cp, 2 * cp, 1, 4, "a2a", group=group)
+    results["error/a2a_heads"] = _user_error(1, 4 * cp, 2 * cp + 1, 1, 4, "a2a", group=group)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    # python -m tests.workers.cp_attention CP OUT_DIR [cpu|cuda] [float32|bfloat16]: prints rank 0's errors.
+    import torch.multiprocessing as mp
+
+    cp, out_dir = int(sys.argv[1]), sys.argv[2]
+    mp.spawn(main, args=(cp, out_dir, *sys.argv[3:]), nprocs=cp, join=True)
+    print(Path(out_dir, "rank0.json").read_text())
