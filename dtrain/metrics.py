@@ -69,6 +69,7 @@ def format_line(step: int, total_steps: int, s: dict[str, float]) -> str:
     parts = [
         f"step {step:>{len(str(total_steps))}}/{total_steps}",
         f"loss {s['train/loss']:.4f}",
+        *([f"val loss {s['val/loss']:.4f}"] if "val/loss" in s else []),
         f"lr {s['train/lr']:.2e}",
         f"grad norm {s['train/grad_norm']:.3f}",
         f"tok/s/GPU {s['perf/tokens_per_sec_per_gpu']:,.0f}",

@@ -39,8 +39,6 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
         raise UserError(f"ep={mesh_spec.ep} is not available yet; MoE models train with ep=1 for now")
     if is_moe and mesh_spec.tp > 1:
         raise UserError(f"tp={mesh_spec.tp} with the MoE model {config.model.model} is not available yet; use tp=1")
-    if mesh_spec.cp > 1:
-        raise UserError(f"cp={mesh_spec.cp} is not available yet; use dp, dp_replicate, tp and pp")
     d, t = config.data, config.train
     for name, value in (("--seq-len", d.seq_len), ("--micro-batch", d.micro_batch),
                         ("--global-batch", d.global_batch), ("--steps", t.steps)):
@@ -64,7 +62,19 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
         p = config.parallel
         pipeline.validate_schedule(p.pp_schedule, mesh_spec.pp, p.pp_virtual_stages,
                                    d.global_batch // per_step, model_cfg.num_layers, p.pp_layout)
-    data_lib.validate_data_args(d.data, d.tokenizer)
+    if (mesh_spec.pp > 1 or mesh_spec.cp > 1) and (d.reset_position_ids or d.document_mask):
+        raise UserError("--reset-position-ids and --document-mask are not available with pp > 1 or cp > 1 "
+                        "yet; use pp=1 and cp=1")
+    cp = mesh_spec.cp
+    if cp > 1:
+        if d.seq_len % (2 * cp):
+            raise UserError(f"--seq-len {d.seq_len} is not divisible by 2 x cp = {2 * cp} (load-balanced context "
+                            f"parallelism cuts each sequence into 2 x cp chunks); use a multiple of {2 * cp}")
+        local_heads, local_kv = heads // tp, max(kv_heads // tp, 1)
+        if config.parallel.cp_comm == "a2a" and (local_heads % cp or local_kv % cp):
+            raise UserError(f"--cp-comm a2a splits heads over cp={cp}, but each tp rank has {local_heads} query "
+                            f"and {local_kv} KV heads; use --cp-comm allgather or ring, or a cp dividing both")
+    data_lib.validate_data_args(d.data, d.tokenizer, d.split)
     return mesh_spec, model_cfg
 
 

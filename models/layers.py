@@ -35,8 +35,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
 
 
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [seq, head_dim] for the given token positions (half-split layout)."""
-    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    """cos and sin [seq, head_dim] (or [batch, seq, head_dim] for per-sample positions, e.g.
+    restarting at each document) for the given token positions (half-split layout)."""
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -45,14 +46,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotates [batch, seq, heads, head_dim] by the position angles (the rotate-half convention)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos = cos[None, :, None, :].to(x.dtype)
-    sin = sin[None, :, None, :].to(x.dtype)
+    # [seq, dim] or [batch, seq, dim] -> broadcast over the heads dim of x.
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
     return x * cos + rotated * sin
 
 
 def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                    num_heads: int, num_kv_heads: int, ctx: ModelContext) -> torch.Tensor:
-    """Grouped-query self-attention: projections, RoPE, causal attention, output projection."""
+                    num_heads: int, num_kv_heads: int, ctx: ModelContext,
+                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped-query self-attention: projections, RoPE, causal attention (within documents when
+    `document_ids` [batch, seq] is given), output projection."""
     batch, seq, _ = x.shape
     head_dim = p["wq"].shape[0] // num_heads
     q = ctx.linear(x, p["wq"]).view(batch, seq, num_heads, head_dim)
@@ -61,9 +65,9 @@ def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Te
     q = ctx.constrain(q, ("batch", "seq", "heads", "head_dim"), "attention")
     k = ctx.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), "attention")
     v = ctx.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), "attention")
-    cos, sin = (ctx.constrain(t, ("seq", "head_dim"), "attention") for t in rope)
+    cos, sin = (ctx.constrain(t, ("batch", "seq", "head_dim")[-t.ndim:], "attention") for t in rope)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = ctx.attention(q, k, v)
+    out = ctx.attention(q, k, v) if document_ids is None else ctx.attention(q, k, v, document_ids)
     return ctx.linear(out.reshape(batch, seq, num_heads * head_dim), p["wo"])
 
 

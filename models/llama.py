@@ -27,9 +27,11 @@ class Aux:
 
     rope: tuple[torch.Tensor, torch.Tensor]
     labels: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None  # [batch, seq]: attention stays within a document
 
 
 def make_aux(cfg: LlamaConfig, positions: torch.Tensor, labels: torch.Tensor | None = None) -> Aux:
+    """`positions` is [seq], or [batch, seq] when positions restart at each document."""
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     return Aux(rope=rope_table(positions, inv_freq), labels=labels)
 
@@ -41,7 +43,7 @@ def embed_forward(p: dict, tokens: torch.Tensor, aux: Aux, ctx: ModelContext) ->
 
 def block_forward(p: dict, x: torch.Tensor, aux: Aux, ctx: ModelContext, *, cfg: LlamaConfig) -> torch.Tensor:
     h = ctx.constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), RESIDUAL, "block_input")
-    attn = attention_block(p["attn"], h, aux.rope, cfg.num_heads, cfg.num_kv_heads, ctx)
+    attn = attention_block(p["attn"], h, aux.rope, cfg.num_heads, cfg.num_kv_heads, ctx, aux.document_ids)
     x = x + ctx.constrain(attn, RESIDUAL, "residual")
     h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
     return x + ctx.constrain(swiglu_block(p["mlp"], h, ctx), RESIDUAL, "residual")

@@ -39,7 +39,7 @@ def make_aux(cfg: MoEConfig, positions: torch.Tensor, labels: torch.Tensor | Non
 def block_forward(p: dict, x: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg: MoEConfig,
                   index: int) -> torch.Tensor:
     h = ctx.constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), RESIDUAL, "block_input")
-    attn = attention_block(p["attn"], h, aux.rope, cfg.num_heads, cfg.num_kv_heads, ctx)
+    attn = attention_block(p["attn"], h, aux.rope, cfg.num_heads, cfg.num_kv_heads, ctx, aux.document_ids)
     x = x + ctx.constrain(attn, RESIDUAL, "residual")
     h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
     if "moe" in p:

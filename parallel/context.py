@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.context import LocalContext, causal_attention
+from parallel.context_parallel import context_parallel_attention
 from parallel.plan import Plan
 
 # cuDNN attention is the fastest on Hopper (BENCHMARKS.md), flash next. The memory-efficient
@@ -23,10 +24,12 @@ CUDA_ATTENTION_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTIO
 class ParallelContext(LocalContext):
     """Constrains activations to the plan's layout; runs local kernels on the local shards."""
 
-    def __init__(self, plan: Plan, mesh: DeviceMesh):
+    def __init__(self, plan: Plan, mesh: DeviceMesh, cp_method: str = "allgather"):
         self.plan = plan
         dims = plan.activation_mesh_dims
         self.activation_mesh = mesh[dims] if dims else None
+        self.cp_group = mesh.get_group("cp") if plan.mesh_spec.cp > 1 else None
+        self.cp_method = cp_method
 
     def constrain(self, x, axes, region):
         if self.activation_mesh is None:
@@ -55,17 +58,24 @@ class ParallelContext(LocalContext):
         placements = [Partial() if name in vocab_dims else Replicate() for name in mesh.mesh_dim_names]
         return DTensor.from_local(out, mesh, placements, run_check=False)
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, document_ids=None):
         if not isinstance(q, DTensor):
-            return causal_attention(q, k, v)
+            return self._local_attention(q, k, v, document_ids)
         # Heads are split over tp: each rank attends with its own heads, no communication.
         q_local = q.to_local()
         if k.placements == q.placements:
             k_local, v_local = k.to_local(), v.to_local()
         else:
             k_local, v_local = (self._kv_for_local_queries(t, q) for t in (k, v))
-        out = causal_attention(q_local, k_local, v_local)
+        out = self._local_attention(q_local, k_local, v_local, document_ids)
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+
+    def _local_attention(self, q, k, v, document_ids):
+        if self.cp_group is None:
+            return causal_attention(q, k, v, document_ids)
+        # The sequence is split over cp: attention is the one place those ranks exchange data.
+        assert document_ids is None, "document masking under context parallelism is refused earlier"
+        return context_parallel_attention(q, k, v, group=self.cp_group, method=self.cp_method)
 
     @staticmethod
     def _kv_for_local_queries(kv: DTensor, q: DTensor) -> torch.Tensor:

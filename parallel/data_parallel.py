@@ -11,14 +11,16 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from parallel.mesh import FSDP_SHARD_DIM
 from parallel.modules import ModelModule
 from parallel.plan import Plan
 
 
 def data_parallel_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
+    """dp_shard x cp (flattened), with dp_replicate in front for HSDP."""
     if plan.mesh_spec.dp_replicate > 1:
-        return mesh[plan.data_parallel_axes]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", FSDP_SHARD_DIM]
+    return mesh[FSDP_SHARD_DIM]
 
 
 def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtype: torch.dtype) -> None:
@@ -27,7 +29,7 @@ def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtyp
     # With one shard there is nothing to free after forward; re-gathering would only cost time.
     # Under pipelining each block runs once per micro-batch: re-gathering it every time would
     # multiply the all-gathers, so blocks stay gathered between forward and backward.
-    reshard = plan.mesh_spec.dp_shard > 1 and plan.mesh_spec.pp == 1
+    reshard = plan.mesh_spec.dp_shard * plan.mesh_spec.cp > 1 and plan.mesh_spec.pp == 1
     common = dict(mesh=dp_mesh, mp_policy=policy)
     for block in model.blocks.values():
         fully_shard(block, reshard_after_forward=reshard, **common)

@@ -90,9 +90,17 @@ class MeshSpec:
         return ",".join(f"{key}={getattr(self, key)}" for key in MESH_KEYS if getattr(self, key) > 1) or "single"
 
 
+# Parameters are replicated over cp (each cp rank holds different tokens of the same samples), so
+# FSDP shards them, and averages their gradients, over dp_shard x cp as one flattened dim.
+FSDP_SHARD_DIM = "dp_shard_cp"
+
+
 def build_device_mesh(spec: MeshSpec, device_type: str) -> DeviceMesh:
-    """The named mesh over the default process group, every dim present (size-1 dims included)."""
-    return init_device_mesh(device_type, tuple(spec.sizes().values()), mesh_dim_names=MESH_DIMS)
+    """The named mesh over the default process group, every dim present (size-1 dims included),
+    plus the flattened dim `dp_shard_cp` that FSDP shards over."""
+    mesh = init_device_mesh(device_type, tuple(spec.sizes().values()), mesh_dim_names=MESH_DIMS)
+    mesh["dp_shard", "cp"]._flatten(FSDP_SHARD_DIM)
+    return mesh
 
 
 def device_type() -> str:

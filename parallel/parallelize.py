@@ -18,8 +18,9 @@ from parallel.plan import Plan
 
 def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, device: torch.device,
                 seed: int, compute_dtype: torch.dtype, recompute_mode: str = "none",
-                compile_blocks: bool = False, async_tp: bool = False) -> tuple[ModelModule, ParallelContext]:
-    ctx = ParallelContext(plan, mesh)
+                compile_blocks: bool = False, async_tp: bool = False,
+                cp_method: str = "allgather") -> tuple[ModelModule, ParallelContext]:
+    ctx = ParallelContext(plan, mesh, cp_method)
     if async_tp:
         enable_async_tp(mesh)
     param_mesh = mesh[plan.param_mesh_dims] if plan.param_mesh_dims else None

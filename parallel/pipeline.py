@@ -158,13 +158,20 @@ class PipelineRunner:
     def step(self, inputs, labels, aux) -> torch.Tensor:
         """Forward and backward of all micro-batches; the summed (unscaled) loss of this rank's
         last stage, zero on ranks without it."""
+        return self._run(self.schedule.step, inputs, labels, aux)
+
+    def evaluate(self, inputs, labels, aux) -> torch.Tensor:
+        """Forward only, same result as `step`."""
+        return self._run(self.schedule.eval, inputs, labels, aux)
+
+    def _run(self, run, inputs, labels, aux) -> torch.Tensor:
         self.aux = aux
         for part in self.parts:
             part.stage_aux = aux
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         target = labels if self.has_last else None
-        self.schedule.step(*args, target=target, losses=losses)
+        run(*args, target=target, losses=losses)
         if not losses:
             return torch.zeros((), device=labels.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum() / self.loss_scale

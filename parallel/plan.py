@@ -133,7 +133,9 @@ class Plan:
 
     @property
     def activation_mesh_dims(self) -> tuple[str, ...]:
-        return self._active(("cp", "tp"))
+        # Over cp each rank holds its own load-balanced chunks of every sequence (not a contiguous
+        # shard DTensor could describe): activations are local there, and only attention talks.
+        return self._active(("tp",))
 
     def param_placements(self, axes: tuple[str, ...]) -> tuple[Placement, ...]:
         return resolve(axes, self.param_rules, self.param_mesh_dims)
@@ -146,9 +148,9 @@ class Plan:
     def full_placements(self, axes: tuple[str, ...]) -> dict[str, str]:
         """Each active mesh dim -> placement of one parameter once data parallelism is applied."""
         layout = dict(zip(self.param_mesh_dims, map(_short, self.param_placements(axes))))
-        for dim in self._active(self.data_parallel_axes):
-            # FSDP shards dim 0 over dp_shard; HSDP replicates those shards over dp_replicate.
-            layout[dim] = "S(0)" if dim == "dp_shard" else "R"
+        for dim in self._active((*self.data_parallel_axes, "cp")):
+            # FSDP shards dim 0 over dp_shard x cp; HSDP replicates those shards over dp_replicate.
+            layout[dim] = "R" if dim == "dp_replicate" else "S(0)"
         return {dim: layout[dim] for dim in MESH_DIMS if dim in layout}
 
     def local_shape(self, shape: tuple[int, ...], axes: tuple[str, ...]) -> tuple[int, ...]:
@@ -158,8 +160,9 @@ class Plan:
         for dim, placement in zip(self.param_mesh_dims, self.param_placements(axes)):
             if isinstance(placement, Shard):
                 local[placement.dim] = math.ceil(local[placement.dim] / sizes[dim])
-        if "dp_shard" in self._active(self.data_parallel_axes):
-            local[0] = math.ceil(local[0] / sizes["dp_shard"])
+        fsdp_ranks = sizes["dp_shard"] * sizes["cp"]
+        if fsdp_ranks > 1:
+            local[0] = math.ceil(local[0] / fsdp_ranks)
         return tuple(local)
 
     def describe(self, layers: list[spec.Layer]) -> str:
