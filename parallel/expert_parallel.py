@@ -1,0 +1,152 @@
+"""Expert parallelism: `ModelContext.experts` over a process group whose ranks each hold a block of experts.
+
+Each of the `ep` ranks holds experts `rank * E/ep .. (rank + 1) * E/ep - 1` and its own tokens,
+already sorted by expert (models/moe.py). The rows of each expert travel to the rank that holds
+it in one all-to-all of uneven splits, run through the local experts as one grouped GEMM, and come
+back with the reverse all-to-all:
+
+    counts all-to-all (the one host sync: split sizes must be Python ints)
+    -> rows all-to-all -> regroup by local expert -> grouped SwiGLU -> undo regroup -> rows back
+
+Backward is plain autograd through the differentiable all-to-alls and the permutations, so a
+local expert's weight gradient sums the contributions of every rank's tokens routed to it: the
+expert gradients are reduced over exactly the ranks that send tokens to those experts, with no
+extra collective. A data-parallel reduction over the ranks that hold the *same* experts (other
+ep groups) is still the data-parallel layer's job.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+
+from models.context import grouped_swiglu
+from models.errors import UserError
+
+
+def _check_shapes(x, counts, weights, num_experts: int, ep: int) -> int:
+    """Experts per rank, after checking that the sizes agree."""
+    if num_experts % ep:
+        raise UserError(
+            f"num_experts={num_experts} is not divisible by ep={ep}; expert parallelism gives each rank "
+            f"the same number of experts, so choose an ep that divides {num_experts}"
+        )
+    local_experts = num_experts // ep
+    if counts.shape != (num_experts,):
+        raise UserError(f"counts has shape {tuple(counts.shape)}; expected ({num_experts},), one per expert")
+    for name, weight in zip(("w_gate", "w_up", "w_down"), weights):
+        if weight.shape[0] != local_experts:
+            raise UserError(
+                f"{name} holds {weight.shape[0]} experts on this rank, but {num_experts} experts over "
+                f"ep={ep} ranks means {local_experts} each; shard the expert dim over the ep group"
+            )
+    if x.dim() != 2:
+        raise UserError(f"expert inputs must be [rows, embed]; got shape {tuple(x.shape)}")
+    return local_experts
+
+
+def _expert_major_positions(received_counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Where each received row goes when rows are regrouped by local expert.
+
+    Rows arrive in blocks ordered (source rank, local expert) with sizes `received_counts`
+    [ep, local_experts]; the grouped GEMM wants them ordered (local expert, source rank). Computed
+    from the counts on the device, without a sort and without another host sync.
+    """
+    ep, local_experts = received_counts.shape
+    device = received_counts.device
+    sizes = received_counts.flatten()
+    block_of_row = torch.repeat_interleave(torch.arange(ep * local_experts, device=device), sizes, output_size=total)
+    source_start = torch.cumsum(sizes, 0) - sizes
+    by_expert = received_counts.t().flatten()  # the same blocks, expert-major
+    expert_major_start = (torch.cumsum(by_expert, 0) - by_expert).view(local_experts, ep).t().flatten()
+    offset_in_block = torch.arange(total, device=device) - source_start[block_of_row]
+    return expert_major_start[block_of_row] + offset_in_block
+
+
+def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: torch.Tensor,
+                           w_up_local: torch.Tensor, w_down_local: torch.Tensor, *,
+                           group: dist.ProcessGroup, num_experts: int) -> torch.Tensor:
+    """`LocalContext.experts` over `group`: x [rows, embed] sorted by expert with `counts` [num_experts]
+    rows each (this rank's tokens, all experts); w_*_local the [num_experts / ep, ...] weights of this
+    rank's block of experts. Returns [rows, embed], each row its expert's output, in x's order."""
+    ep = dist.get_world_size(group)
+    _check_shapes(x, counts, (w_gate_local, w_up_local, w_down_local), num_experts, ep)
+    local_experts = num_experts // ep
+    counts = counts.to(torch.int64)
+
+    # Rank r's counts for its experts block j go to rank j; rank j then holds, as row r of
+    # received_counts, how many rows rank r sends for each of j's experts.
+    received_counts = funcol.all_to_all_single(counts.contiguous(), None, None, group)
+    received_counts = received_counts.view(ep, local_experts)
+    send_and_receive = torch.stack([counts.view(ep, local_experts).sum(1), received_counts.sum(1)])
+    send_splits, receive_splits = send_and_receive.tolist()
+    total_received = sum(receive_splits)
+
+    # The results of the functional collectives wait for the communication on first use.
+    received = funcol.all_to_all_single_autograd(x.contiguous(), receive_splits, send_splits, group)
+
+    destination = _expert_major_positions(received_counts, total_received)
+    gather_order = torch.empty_like(destination).scatter_(
+        0, destination, torch.arange(total_received, device=destination.device)
+    )
+    out_by_expert = grouped_swiglu(received[gather_order], received_counts.sum(0), w_gate_local, w_up_local,
+                                   w_down_local)
+    out_received = out_by_expert[destination]
+
+    return funcol.all_to_all_single_autograd(out_received.contiguous(), send_splits, receive_splits, group)
+
+
+def _local(t: torch.Tensor, name: str) -> torch.Tensor:
+    """This rank's part of a possibly-DTensor input: whole rows (dim 0 split or not), never a slice
+    of the embed or mlp dims, which would need a reduction that dispatch does not do."""
+    if not isinstance(t, DTensor):
+        return t
+    names = t.device_mesh.mesh_dim_names or tuple(map(str, range(t.device_mesh.ndim)))
+    for mesh_dim, placement in zip(names, t.placements):
+        if not (placement.is_replicate() or placement.is_shard(0)):
+            raise UserError(
+                f"expert-parallel dispatch got {name} laid out as {placement} over mesh dim {mesh_dim!r}; "
+                f"it needs whole experts and whole rows: keep the expert weights' mlp and embed dims "
+                f"unsplit in the plan (split only the expert dim, over ep)"
+            )
+    # A weight sharded on dim 0 over the ep dim: its local shard is this rank's block of experts,
+    # and the local gradient (summed over all senders by the all-to-all backward) is the shard's
+    # gradient, so the default grad placements are right.
+    return t.to_local()
+
+
+def ep_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def experts_over_group(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                       w_down: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`ModelContext.experts` for a context that may have expert parallelism.
+
+    With no group or ep == 1 this is the single-device path unchanged. Otherwise the weights are
+    this rank's block of experts (plain tensors, or DTensors sharded on dim 0 over the ep mesh dim)
+    and the global expert count is `counts.numel()`. A DTensor `x` (activations laid out over
+    tp/cp) is handled on its local rows, which are this rank's tokens, and re-wrapped with its layout.
+    """
+    if ep_size(group) == 1:
+        return grouped_swiglu(x, counts, w_gate, w_up, w_down)
+    layout = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
+    out = expert_parallel_swiglu(
+        _local(x, "x"), _local(counts, "counts"), _local(w_gate, "w_gate"), _local(w_up, "w_up"),
+        _local(w_down, "w_down"), group=group, num_experts=counts.shape[0],
+    )
+    return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
+
+
+class ExpertParallelContextMixin:
+    """Gives a model context the expert-parallel `experts`. Put it before `LocalContext` in the
+    bases and set `ep_group` (None or a group of one rank keeps the single-device path)."""
+
+    ep_group: dist.ProcessGroup | None = None
+
+    def experts(self, x, counts, w_gate, w_up, w_down):
+        if ep_size(self.ep_group) == 1:
+            return super().experts(x, counts, w_gate, w_up, w_down)
+        return experts_over_group(x, counts, w_gate, w_up, w_down, group=self.ep_group)
