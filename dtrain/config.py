@@ -13,8 +13,9 @@ import attrs
 from models.errors import UserError
 
 
-def _field(default: Any, help: str, choices: tuple | None = None):
-    return attrs.field(default=default, metadata={"help": help, "choices": choices})
+def _field(default: Any, help: str, choices: tuple | None = None, const: Any = None):
+    # `const`: the value of the flag given without one (`--resume` alone means "latest").
+    return attrs.field(default=default, metadata={"help": help, "choices": choices, "const": const})
 
 
 @attrs.frozen
@@ -71,6 +72,15 @@ class TrainArgs:
     recompute: str = _field("none", "activation recompute of blocks", choices=("none", "selective", "full"))
     run_dir: str = _field("runs/default", "directory for the resolved config, TensorBoard files and log")
     log_every: int = _field(1, "steps between console lines")
+    checkpoint_every: int = _field(0, "steps between checkpoints in RUN_DIR/checkpoints (0: none); "
+                                      "a run with checkpoints also saves at its end")
+    keep_last: int = _field(0, "keep only the newest K checkpoints (0: keep all)")
+    async_checkpoint: bool = _field(False, "write checkpoints in the background while training goes on")
+    resume: str | None = _field(None, "continue from a checkpoint: alone, the latest in --run-dir (none "
+                                      "yet: start at step 0); or a step_NNNNNN or run directory",
+                                const="latest")
+    init_from_hf: str | None = _field(None, "start from the weights of a Hugging Face Llama checkpoint "
+                                            "directory (config.json + safetensors)")
     eval_every: int = _field(0, "steps between evaluations on the validation split, logged as val/loss (0: off)")
     eval_steps: int = _field(10, "global batches per evaluation (capped at one pass over the validation split)")
 
@@ -119,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs["type"] = str if field.type == (str | None) else field.type
                 kwargs["choices"] = field.metadata["choices"]
                 kwargs["metavar"] = field.name.upper()
+                if field.metadata.get("const") is not None:
+                    kwargs.update(nargs="?", const=field.metadata["const"])
             group.add_argument(_flag(field.name), **kwargs)
     return parser
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain import data as data_lib
+from dtrain.checkpointer import Checkpointer
 from dtrain.config import Config, to_toml
 from dtrain.distributed import Runtime
 from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
@@ -51,7 +52,9 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.model, self.model.specs, config.optim)
         self.scheduler = build_scheduler(self.optimizer, t.steps, config.optim)
-        self.step = 0
+        self.checkpointer = Checkpointer(self)
+        # --resume's checkpoint (any mesh), else --init-from-hf's weights; the step to start at.
+        self.step = self.checkpointer.restore()
 
         self.dp_rank = (self.mesh.get_local_rank("dp_replicate") * self.mesh_spec.dp_shard
                         + self.mesh.get_local_rank("dp_shard"))
@@ -115,6 +118,7 @@ class Trainer:
         """Steps until `--steps`; returns every step's scalars. `before_step(step)` is called
         before each step (benchmarks use it to start and stop the profiler)."""
         total, history = self.config.train.steps, []
+        self.checkpointer.start()
         try:
             while self.step < total:
                 if before_step is not None:
@@ -123,6 +127,10 @@ class Trainer:
                 history.append(scalars)
                 console = self.step % self.config.train.log_every == 0 or self.step == total
                 self.metrics.log(self.step, total, scalars, console=console)
+                if self.checkpointer.after_step(self.step):
+                    break  # preempted: saved, and every rank stops here
+            self.checkpointer.finish(self.step)
         finally:
+            self.checkpointer.close()
             self.metrics.close()
         return history

@@ -147,6 +147,8 @@ def _help_text(capsys, argv_runner) -> str:
 def _flag_text(group: str, field) -> str:
     if field.type is bool:
         return f"{_flag(field.name)}, --no-{field.name.replace('_', '-')}"
+    if field.metadata.get("const") is not None:  # the value may be left out: `--resume`
+        return f"{_flag(field.name)} [{field.name.upper()}]"
     return f"{_flag(field.name)} {field.name.upper()}"
 
 

@@ -1,0 +1,315 @@
+"""Distributed checkpoints of the whole train state, committed atomically, resumable on any mesh.
+
+A checkpoint is `run_dir/checkpoints/step_000100/`:
+
+    .metadata, __0_0.distcp, ...  torch DCP: parameters and optimizer state keyed by parameter
+                                  name (`embed.weight`, `blocks.3.attn.wq`), so a load on
+                                  another mesh reshards
+    rng/rank_00000.pt             each rank's torch RNG states
+    meta.json                     step, LR-scheduler state, model shape, resolved config, mesh
+    COMPLETE                      written by rank 0 after every rank finished writing
+
+A save is written into `step_000100.tmp/` and renamed to its final name only once complete, so a
+process killed at any moment leaves the previous checkpoint as the latest valid one. The data
+position is the step: the batch of step s is a pure function of (seed, s).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+)
+
+from models.config import LlamaConfig
+from models.errors import UserError
+
+logger = logging.getLogger("dtrain")
+
+FORMAT_VERSION = 1
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"
+META = "meta.json"
+LATEST = "latest"  # the value of a bare --resume
+_NAME = re.compile(r"^step_(\d+)$")
+# Names this module may leave behind when a process dies: a save in progress, a replaced one.
+_LEFTOVER = re.compile(r"^step_\d+(\.tmp|\.old)?$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def valid_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the committed checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), child) for child in root.iterdir()
+             if (m := _NAME.match(child.name)) and (child / COMPLETE).is_file()]
+    return sorted(found)
+
+
+def remove_incomplete(root: Path) -> list[str]:
+    """Deletes what interrupted saves left under `root`; returns the names removed."""
+    removed = []
+    if root.is_dir():
+        for child in sorted(root.iterdir()):
+            if child.is_dir() and _LEFTOVER.match(child.name) and not (
+                    _NAME.match(child.name) and (child / COMPLETE).is_file()):
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child.name)
+    return removed
+
+
+def resolve_resume(value: str, run_dir: Path) -> Path | None:
+    """The checkpoint that `--resume VALUE` names: `latest` is the newest committed one in the run
+    directory (None when there is none); a path is a step directory or a directory holding them."""
+    if value == LATEST:
+        found = valid_checkpoints(run_dir / CHECKPOINTS)
+        return found[-1][1] if found else None
+    path = Path(value)
+    if not path.is_dir():
+        raise UserError(f"--resume {value}: no such directory; pass a checkpoint (step_NNNNNN), a run "
+                        f"directory, or --resume alone for the latest checkpoint of --run-dir")
+    if _NAME.match(path.name) or (path / META).exists() or (path / ".metadata").exists():
+        return path
+    for root in (path / CHECKPOINTS, path):
+        found = valid_checkpoints(root)
+        if found:
+            return found[-1][1]
+    raise UserError(f"--resume {value}: holds no complete checkpoint (a step_NNNNNN directory with a "
+                    f"{COMPLETE} file); pass another directory or leave --resume out")
+
+
+def model_shape(cfg: LlamaConfig) -> dict[str, Any]:
+    return attrs.asdict(cfg)
+
+
+def shape_difference(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The fields that change parameter shapes or the forward math (init_std does neither)."""
+    return [key for key in current if key != "init_std" and saved.get(key) != current[key]]
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The checkpoint's meta.json, after checking that the save was committed."""
+    if not (path / COMPLETE).is_file():
+        raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE} file: its save was interrupted); "
+                        f"resume from an earlier step_NNNNNN directory")
+    try:
+        meta = json.loads((path / META).read_text())
+        step = int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"checkpoint {path} has no readable {META} ({type(error).__name__}: {error}); "
+                        f"it is corrupt: resume from an earlier checkpoint") from None
+    if meta.get("format") != FORMAT_VERSION or step < 0:
+        raise UserError(f"checkpoint {path} has format {meta.get('format')!r} and step {step}; this dtrain "
+                        f"reads format {FORMAT_VERSION}: convert it or start without --resume")
+    return meta
+
+
+def check_checkpoint(path: Path, model_cfg: LlamaConfig, param_shapes: dict[str, tuple[int, ...]]) -> tuple[dict, bool]:
+    """Everything that can be checked before loading, so that a bad checkpoint is one clear error
+    rather than a partial load: the commit marker, the model shape, the DCP metadata, every shard
+    file and every parameter's shape. Returns (meta, whether it holds optimizer state)."""
+    meta = read_meta(path)
+    current = model_shape(model_cfg)
+    differ = shape_difference(meta.get("model", {}), current)
+    if differ:
+        saved = ",".join(f"{k}={meta.get('model', {}).get(k)}" for k in differ)
+        now = ",".join(f"{k}={current[k]}" for k in differ)
+        raise UserError(f"checkpoint {path} was saved for a model with {saved} but this run's model has {now}; "
+                        f"set --model/--model-overrides to the checkpoint's shape or start without --resume")
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except (OSError, ValueError, EOFError, RuntimeError) as error:
+        raise UserError(f"checkpoint {path} has no readable DCP .metadata ({type(error).__name__}); "
+                        f"it is corrupt: resume from an earlier checkpoint") from None
+    for info in (metadata.storage_data or {}).values():
+        shard = path / info.relative_path
+        if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
+            what = "missing" if not shard.is_file() else "truncated"
+            raise UserError(f"checkpoint {path}: shard file {info.relative_path} is {what}; the checkpoint is "
+                            f"corrupt: resume from an earlier one")
+    saved_tensors = metadata.state_dict_metadata
+    for name, shape in param_shapes.items():
+        entry = saved_tensors.get(f"model.{name}")
+        size = tuple(getattr(entry, "size", ()) or ())
+        if size != tuple(shape):
+            raise UserError(f"checkpoint {path}: parameter {name} has shape {list(size) or 'none'} but the model "
+                            f"needs {list(shape)}; it was saved for another model: check --model-overrides")
+    has_optim = any(key.startswith("optim.") for key in saved_tensors)
+    if not has_optim and meta["step"] != 0:
+        raise UserError(f"checkpoint {path} at step {meta['step']} holds no optimizer state; "
+                        f"it is corrupt: resume from an earlier checkpoint")
+    return meta, has_optim
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    # The rename is durable only once the directory entry itself reaches the disk.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Rank 0, after every rank finished writing into `tmp`: the metadata, the marker, the rename."""
+    _write_synced(tmp / META, json.dumps(meta, indent=1))
+    _write_synced(tmp / COMPLETE, f"{meta['step']}\n")
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # a run resumed from an earlier step saves this step again
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    _sync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Keeps the newest `keep_last` committed checkpoints (0 keeps all)."""
+    if keep_last <= 0:
+        return
+    for _, path in valid_checkpoints(root)[:-keep_last]:
+        # Renamed first: a kill during the delete must not leave a half-deleted "valid" checkpoint.
+        doomed = path.with_name(path.name + ".old")
+        path.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@attrs.define
+class PendingSave:
+    future: Any
+    step: int
+    tmp: Path
+    final: Path
+    meta: dict[str, Any]
+    started: float
+
+
+def _upload_future(response: Any) -> Any:
+    # async_save returns a Future, or with newer stagers a response holding one.
+    return getattr(response, "upload_completion", response)
+
+
+# Optimizer state keyed per parameter (`optim.state.blocks.3.attn.wq.exp_avg`, and the same for
+# the param-group hyperparameters): a pipeline rank holds only its stages' parameters, and keys
+# shared by all ranks would be written by rank 0 alone.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class WholeModel(nn.Module):
+    """A rank's pipeline stages as one module with the global parameter names (`blocks.5.attn.wq`),
+    so a checkpoint does not depend on how the layers were split into stages."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleDict()
+        for part in parts:
+            for name, child in part.named_children():
+                if name == "blocks":
+                    self.blocks.update(child)
+                elif name not in self._modules:
+                    self.add_module(name, child)
+
+
+def as_one_module(parts: list[nn.Module]) -> nn.Module:
+    return parts[0] if len(parts) == 1 else WholeModel(parts)
+
+
+def save_train_state(model, optimizer, path: Path, *, rank: int, async_group=None) -> Any:
+    """Every rank writes its shards into `path`; with `async_group` the write runs in the
+    background (after a copy to host memory) and the future is returned."""
+    (path / "rng").mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), path / "rng" / f"rank_{rank:05d}.pt")
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    state = {"model": model_sd, "optim": optim_sd}
+    if async_group is not None:
+        return _upload_future(dcp.async_save(state, checkpoint_id=str(path), process_group=async_group))
+    dcp.save(state, checkpoint_id=str(path))
+    return None
+
+
+def load_train_state(model, optimizer, path: Path, *, rank: int, has_optim: bool) -> None:
+    """Loads parameters (and optimizer state) into this rank's shards, resharding as needed."""
+    try:
+        if has_optim:
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=OPTIONS)
+        else:  # an imported checkpoint: weights only, at step 0 where AdamW has no state yet
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(model, state["model"])
+    except dcp.api.CheckpointException as error:
+        first = str(error).strip().splitlines()[0][:200]
+        raise UserError(f"checkpoint {path} could not be read ({first}); it is corrupt: resume from an "
+                        f"earlier checkpoint") from error
+    rng_dir = path / "rng"
+    own = rng_dir / f"rank_{rank:05d}.pt"
+    # A resumed run with more ranks than the saved one gives the new ranks rank 0's states.
+    source = own if own.is_file() else rng_dir / "rank_00000.pt"
+    if source.is_file():
+        set_rng_state(torch.load(source, weights_only=True))
+
+
+def all_ranks_max(values: list[int]) -> list[int]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    # A CPU tensor: gloo on CPU runs, the cpu:gloo side of the process group on GPUs, no device sync.
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def broadcast_from_main(value: Any) -> Any:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def elapsed(start: float) -> str:
+    return f"{time.perf_counter() - start:.1f} s"

@@ -1,0 +1,232 @@
+"""Checkpoints through the CLI (CPU, gloo, fp32): exact resume on the same mesh, resharding to
+another mesh, preemption by SIGTERM, processes SIGKILLed in the middle of a save, and one-line
+errors for corrupt or incompatible checkpoints."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtrain import checkpoint as ckpt
+from dtrain.run import main
+from models.config import get_model_config
+from tests.launch import REPO, TINY_ARGS, run_cli, train_scalars
+
+LOSS_RTOL = 1e-4  # another mesh: float reductions in another order
+
+
+def _latest(run_dir: Path) -> int:
+    found = ckpt.valid_checkpoints(run_dir / ckpt.CHECKPOINTS)
+    return found[-1][0] if found else 0
+
+
+def _assert_continues(resumed: list[float], reference: list[float], start: int, rtol: float, what: str):
+    """`resumed` holds the losses of steps start+1..10; they must match the uninterrupted run's."""
+    expected = reference[start:]
+    assert len(resumed) == len(expected), (what, len(resumed), len(expected))
+    for step, (a, e) in enumerate(zip(resumed, expected), start + 1):
+        assert abs(a - e) <= rtol * abs(e), f"{what}: loss at step {step} is {a}, uninterrupted {e}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted single-process run that saves at steps 3, 6, 9 and 10."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    losses = train_scalars(run_dir, ["--checkpoint-every", "3"])["train/loss"]
+    assert len(losses) == 10
+    return run_dir, losses
+
+
+def test_resume_on_the_same_mesh_is_exact(reference, tmp_path):
+    run_dir, losses = reference
+    assert [s for s, _ in ckpt.valid_checkpoints(run_dir / ckpt.CHECKPOINTS)] == [3, 6, 9, 10]
+    resumed = train_scalars(tmp_path, ["--resume", str(run_dir / "checkpoints" / "step_000006")])
+    # Same mesh, fp32: the same operations in the same order, so the same bits.
+    assert resumed["train/loss"] == losses[6:]
+
+
+@pytest.mark.slow
+def test_resume_reshards_single_to_dp_to_tp_to_dp(reference, tmp_path):
+    """single@3 -> dp=2 (async saves, keep 3) @6 -> tp=2 @8 -> dp=2, each against the uninterrupted run."""
+    ref_dir, losses = reference
+    dp = train_scalars(tmp_path / "dp", ["--mesh", "dp=2", "--resume", str(ref_dir / "checkpoints" / "step_000003"),
+                                         "--checkpoint-every", "2", "--async-checkpoint", "--keep-last", "3"], nproc=2)
+    _assert_continues(dp["train/loss"], losses, 3, LOSS_RTOL, "single -> dp=2")
+    dp_checkpoints = tmp_path / "dp" / ckpt.CHECKPOINTS
+    assert sorted(p.name for p in dp_checkpoints.iterdir()) == ["step_000006", "step_000008", "step_000010"]
+    tp = train_scalars(tmp_path / "tp", ["--mesh", "tp=2", "--resume", str(dp_checkpoints / "step_000006"),
+                                         "--checkpoint-every", "2"], nproc=2)
+    _assert_continues(tp["train/loss"], losses, 6, LOSS_RTOL, "dp=2 -> tp=2")
+    back = train_scalars(tmp_path / "back", ["--mesh", "dp=2", "--resume",
+                                             str(tmp_path / "tp" / "checkpoints" / "step_000008")], nproc=2)
+    _assert_continues(back["train/loss"], losses, 8, LOSS_RTOL, "tp=2 -> dp=2")
+
+
+def _start_cli(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "dtrain.run", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _wait_for(proc: subprocess.Popen, text: str, log: list[str]) -> bool:
+    for line in proc.stdout:
+        log.append(line)
+        if text in line:
+            return True
+    return False
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_cleanly_then_resume_continues(reference, tmp_path):
+    _, losses = reference
+    run_dir = tmp_path / "preempted"
+    proc = _start_cli([*TINY_ARGS, "--run-dir", str(run_dir)])  # checkpoints off: the save is for the signal
+    log: list[str] = []
+    assert _wait_for(proc, "step  2/10", log), "".join(log)
+    proc.send_signal(signal.SIGTERM)
+    log.extend(proc.stdout)
+    assert proc.wait(timeout=120) == 0, "".join(log)
+    stopped = _latest(run_dir)
+    assert 2 <= stopped < 10, "".join(log)
+    assert any("received SIGTERM" in line and f"at step {stopped}/10" in line for line in log), "".join(log)
+    resumed = train_scalars(tmp_path / "resumed", ["--resume", str(run_dir)])
+    assert resumed["train/loss"] == losses[stopped:]
+
+
+@pytest.mark.slow
+def test_save_killed_midway_leaves_the_previous_checkpoint(reference, tmp_path, monkeypatch):
+    _, losses = reference
+    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "2", "--resume"]
+    checkpoints = tmp_path / ckpt.CHECKPOINTS
+    # Killed while writing the shards of step 4: step 2 stays the latest valid checkpoint.
+    monkeypatch.setenv("DTRAIN_TEST_DIE_WHERE", "shards")
+    monkeypatch.setenv("DTRAIN_TEST_DIE_AT", "4")
+    result = run_cli(args, module="tests.workers.die_mid_save")
+    assert result.returncode == -signal.SIGKILL, result.stdout[-2000:] + result.stderr[-3000:]
+    assert (checkpoints / "step_000004.tmp").is_dir() and not (checkpoints / "step_000004.tmp" / ".metadata").exists()
+    assert _latest(tmp_path) == 2
+    # Resumed from step 2; killed after the COMPLETE marker of step 6 but before its rename.
+    monkeypatch.setenv("DTRAIN_TEST_DIE_WHERE", "commit")
+    monkeypatch.setenv("DTRAIN_TEST_DIE_AT", "6")
+    result = run_cli(args, module="tests.workers.die_mid_save")
+    assert result.returncode == -signal.SIGKILL, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "removed incomplete checkpoints: step_000004.tmp" in result.stdout, result.stdout[-2000:]
+    assert "step_000002 at step 2" in result.stdout, result.stdout[-2000:]
+    assert (checkpoints / "step_000006.tmp" / ckpt.COMPLETE).exists() and _latest(tmp_path) == 4
+    result = run_cli(args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "step_000004 at step 4" in result.stdout and "step_000006.tmp" in result.stdout, result.stdout[-2000:]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{s:06d}" for s in (2, 4, 6, 8, 10)]
+    assert f"step 10/10 | loss {losses[-1]:.4f}" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
+    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "1", "--resume"]
+    model_cfg = get_model_config("tiny")
+    shapes = _tiny_param_shapes()
+    rng = random.Random()
+    delays = []
+    for _ in range(3):
+        proc = _start_cli(args)
+        log: list[str] = []
+        assert _wait_for(proc, "saved checkpoint", log) or proc.wait() == 0, "".join(log)
+        delays.append(rng.uniform(0.0, 0.6))
+        time.sleep(delays[-1])
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        # Whatever the moment, every checkpoint under its final name loads cleanly.
+        for _, path in ckpt.valid_checkpoints(tmp_path / ckpt.CHECKPOINTS):
+            ckpt.check_checkpoint(path, model_cfg, shapes)
+        final_names = [p for p in (tmp_path / ckpt.CHECKPOINTS).iterdir() if ckpt._NAME.match(p.name)]
+        assert all((p / ckpt.COMPLETE).exists() for p in final_names), (delays, final_names)
+    result = run_cli(args)
+    assert result.returncode == 0, (delays, result.stdout[-2000:] + result.stderr[-3000:])
+    assert _latest(tmp_path) == 10
+
+
+def _tiny_param_shapes() -> dict[str, tuple[int, ...]]:
+    from dtrain.hf import param_shapes
+
+    return param_shapes(get_model_config("tiny"))
+
+
+def _corrupt_copy(reference_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "step_000003"
+    shutil.copytree(reference_dir / "checkpoints" / "step_000003", target)
+    return target
+
+
+CORRUPTIONS = [
+    ("delete a shard file", lambda p: (p / "__0_0.distcp").unlink(), [], "shard file __0_0.distcp is missing"),
+    ("truncate a shard file", lambda p: os.truncate(p / "__0_0.distcp", 1000), [], "is truncated"),
+    ("delete .metadata", lambda p: (p / ".metadata").unlink(), [], "no readable DCP .metadata"),
+    ("delete meta.json", lambda p: (p / "meta.json").unlink(), [], "no readable meta.json"),
+    ("delete COMPLETE", lambda p: (p / "COMPLETE").unlink(), [], "is incomplete"),
+    ("another model shape", lambda p: None, ["--model-overrides", "num_layers=2"],
+     "saved for a model with num_layers=4 but this run's model has num_layers=2"),
+    ("another vocabulary", lambda p: None, ["--data", "synthetic", "--model-overrides", "vocab_size=1000"],
+     "vocab_size=2048"),
+]
+
+
+@pytest.mark.parametrize("corrupt,extra,message", [c[1:] for c in CORRUPTIONS], ids=[c[0] for c in CORRUPTIONS])
+def test_corrupt_or_incompatible_checkpoint_is_one_clear_line(reference, tmp_path, capsys, corrupt, extra, message):
+    path = _corrupt_copy(reference[0], tmp_path)
+    corrupt(path)
+    code = main([*TINY_ARGS, "--run-dir", str(tmp_path / "run"), "--resume", str(path), *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("dtrain: error: ") and "\n" not in err, err
+    assert message in err, err
+
+
+def test_a_mismatched_parameter_shape_in_the_shards_is_caught(reference, tmp_path):
+    # meta.json agrees with the run but a tensor does not: the per-tensor check catches it.
+    path = _corrupt_copy(reference[0], tmp_path)
+    shapes = dict(_tiny_param_shapes(), **{"blocks.0.attn.wq": (32, 64)})
+    with pytest.raises(ckpt.UserError, match=r"blocks.0.attn.wq has shape \[64, 64\] but the model needs \[32, 64\]"):
+        ckpt.check_checkpoint(path, get_model_config("tiny"), shapes)
+
+
+def test_resume_without_checkpoints_starts_at_step_zero_and_bad_paths_fail(tmp_path, capsys):
+    assert ckpt.resolve_resume(ckpt.LATEST, tmp_path) is None
+    with pytest.raises(ckpt.UserError, match="no such directory"):
+        ckpt.resolve_resume(str(tmp_path / "nowhere"), tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ckpt.UserError, match="holds no complete checkpoint"):
+        ckpt.resolve_resume(str(tmp_path / "empty"), tmp_path)
+
+
+def test_leftovers_are_removed_and_keep_last_prunes_oldest(tmp_path):
+    root = tmp_path / ckpt.CHECKPOINTS
+    for step in (1, 2, 3):
+        (root / f"step_{step:06d}").mkdir(parents=True)
+        (root / f"step_{step:06d}" / ckpt.COMPLETE).write_text(f"{step}\n")
+    (root / "step_000004.tmp").mkdir()
+    (root / "step_000005").mkdir()  # renamed but no marker: not trusted
+    (root / "notes").mkdir()  # not ours: left alone
+    assert ckpt.remove_incomplete(root) == ["step_000004.tmp", "step_000005"]
+    ckpt.prune(root, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["notes", "step_000002", "step_000003"]
+    assert ckpt.resolve_resume(ckpt.LATEST, tmp_path) == root / "step_000003"
+    assert ckpt.resolve_resume(str(tmp_path), tmp_path) == root / "step_000003"
+
+
+def test_resume_flag_takes_an_optional_value():
+    from dtrain.config import load_config
+
+    assert load_config([]).train.resume is None
+    assert load_config(["--resume"]).train.resume == ckpt.LATEST
+    assert load_config(["--resume", "runs/a/checkpoints/step_000100"]).train.resume == "runs/a/checkpoints/step_000100"
+    assert load_config(["--resume", "--steps", "3"]).train.steps == 3

@@ -1,0 +1,137 @@
+"""Hugging Face Llama checkpoints <-> dtrain checkpoints.
+
+    python -m tools.hf_convert import HF_DIR RUN_DIR/checkpoints/step_000000
+    python -m tools.hf_convert export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype bf16]
+
+`import` writes a weights-only dtrain checkpoint at step 0 (AdamW has no state before its first
+step, so nothing is lost): `--resume` from it on any mesh, and each rank reads only its shards,
+which `--init-from-hf` (every rank reads every full tensor) cannot do for the largest models.
+`export` writes safetensors (sharded above --max-shard-gb, with an index) and config.json. A round
+trip HF -> dtrain -> HF with the source's dtype gives the same tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from dtrain import checkpoint as ckpt
+from dtrain import hf
+from models.config import LlamaConfig, RopeScaling
+from models.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@contextlib.contextmanager
+def _one_process():
+    """This tool reads and writes checkpoints in one process on purpose; DCP warns about it each time."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def load_hf_params(hf_dir: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """The model config and every parameter (dtrain names, the checkpoint's dtype) of an HF checkpoint."""
+    source = hf.HFCheckpoint(hf_dir)
+    return source.config, source.load_all()
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """Writes the HF checkpoint as a committed dtrain checkpoint at step 0 (fp32 master weights)."""
+    source = hf.HFCheckpoint(hf_dir)
+    out = Path(out_dir)
+    if (out / ckpt.COMPLETE).exists():
+        raise UserError(f"{out} already holds a checkpoint; pass a new directory")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an import that was killed
+    state = {"model": {name: source.tensor(name).float() for name in source.shapes}}
+    # Remembered so that `export` writes the source's dtype back by default (a lossless round trip).
+    hf_dtype = str(source.tensor("embed.weight").dtype).removeprefix("torch.")
+    with _one_process():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+    meta = {"format": ckpt.FORMAT_VERSION, "step": 0, "data_position": 0,
+            "model": ckpt.model_shape(source.config), "mesh": "single", "world_size": 1,
+            "scheduler": None, "config": "", "hf_config": source.raw_config,
+            "hf_dtype": hf_dtype}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ckpt.commit(tmp, out, meta)
+    return out
+
+
+def _model_config(shape: dict[str, Any]) -> LlamaConfig:
+    shape = dict(shape)
+    if shape.get("rope_scaling") is not None:
+        shape["rope_scaling"] = RopeScaling(**shape["rope_scaling"])
+    try:
+        return LlamaConfig(**shape)
+    except TypeError:
+        raise UserError(f"a checkpoint of model shape {sorted(shape)} is not a Llama; only Llama "
+                        f"checkpoints are exported") from None
+
+
+def read_dtrain_params(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Full parameter tensors of a dtrain checkpoint (or of the latest one of a run directory),
+    read in this one process whatever mesh wrote them."""
+    found = ckpt.resolve_resume(str(path), Path(path))
+    meta = ckpt.read_meta(found)
+    cfg = _model_config(meta["model"])
+    expected = hf.param_shapes(cfg)
+    meta, _ = ckpt.check_checkpoint(found, cfg, expected)
+    metadata = FileSystemReader(str(found)).read_metadata()
+    state = {"model": {name: torch.empty(shape, dtype=metadata.state_dict_metadata[f"model.{name}"].properties.dtype)
+                       for name, shape in expected.items()}}
+    with _one_process():
+        dcp.load(state, checkpoint_id=str(found), no_dist=True)
+    return cfg, state["model"], meta
+
+
+def export_hf(path: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
+              max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Writes a dtrain checkpoint as an HF checkpoint; by default in the dtype it was imported
+    from (fp32 for a model trained from scratch)."""
+    cfg, params, meta = read_dtrain_params(path)
+    if dtype is None:
+        dtype = DTYPES.get({"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
+            meta.get("hf_dtype", "float32"), "fp32"))
+    hf.save_hf(params, cfg, out_dir, dtype, base_config=meta.get("hf_config"), max_shard_bytes=max_shard_bytes)
+    return Path(out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.hf_convert", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_import = sub.add_parser("import", help="HF checkpoint directory -> dtrain checkpoint (step 0)")
+    p_import.add_argument("hf_dir")
+    p_import.add_argument("out", help="the checkpoint directory to create, e.g. runs/x/checkpoints/step_000000")
+    p_export = sub.add_parser("export", help="dtrain checkpoint (or run directory: its latest) -> HF directory")
+    p_export.add_argument("checkpoint")
+    p_export.add_argument("out")
+    p_export.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                          help="tensor dtype (default: the imported checkpoint's, else fp32)")
+    p_export.add_argument("--max-shard-gb", type=float, default=5.0, help="split the safetensors above this size")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "import":
+            out = import_hf(args.hf_dir, args.out)
+        else:
+            out = export_hf(args.checkpoint, args.out, DTYPES[args.dtype] if args.dtype else None,
+                            int(args.max_shard_gb * 2**30))
+    except UserError as error:
+        print(f"hf_convert: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
