@@ -30,6 +30,12 @@ class ParallelArgs:
     sequence_parallel: bool = _field(False, "split norms and residuals over tp along the sequence")
     async_tp: bool = _field(False, "overlap tp all-gathers/reduce-scatters with matmuls (needs --compile, "
                                    "--sequence-parallel and CUDA)")
+    cp_comm: str = _field("allgather", "context-parallel attention: all-gather K/V, a ring of K/V "
+                          "blocks, or all-to-all to head shards (Ulysses)", choices=("allgather", "ring", "a2a"))
+    pp_schedule: str = _field("1f1b", "pipeline schedule",
+                              choices=("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb", "zbv"))
+    pp_virtual_stages: int = _field(1, "pipeline stages per rank (interleaved and V schedules)")
+    pp_layout: str = _field("", "blocks per pipeline stage, e.g. 3,5,5,3 (default: balanced by cost)")
     print_plan: bool = _field(False, "print every parameter's placements and local shape, then exit")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -18,9 +19,10 @@ from dtrain.distributed import Runtime
 from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.train import build_plan, validate
-from models import flops, llama
+from models import families, flops, llama, moe, spec
 from models.errors import UserError
 from parallel.gradients import clip_grads_
+from parallel import context_parallel, pipeline
 from parallel.mesh import build_device_mesh
 from parallel.parallelize import parallelize
 
@@ -42,15 +44,21 @@ class Trainer:
         if runtime.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(config))
-        self.dataset = data_lib.TokenDataset(d.data, d.tokenizer, d.seq_len, self.model_cfg.vocab_size, t.seed)
+        self.dataset = data_lib.TokenDataset.from_args(d, self.model_cfg.vocab_size, t.seed)
+        self.val_dataset = (data_lib.TokenDataset.from_args(d, self.model_cfg.vocab_size, t.seed, part="validation")
+                            if t.eval_every > 0 else None)
         self.mesh = build_device_mesh(self.mesh_spec, runtime.device.type)
         self.plan = build_plan(config, self.mesh_spec, self.model_cfg)
-        self.model, self.ctx = parallelize(
-            llama.layers(self.model_cfg), self.plan, self.mesh, device=runtime.device, seed=t.seed,
-            compute_dtype=COMPUTE_DTYPES[t.precision], recompute_mode=t.recompute,
-            compile_blocks=t.compile, async_tp=config.parallel.async_tp,
-        )
-        self.optimizer = build_optimizer(self.model, self.model.specs, config.optim)
+        self.global_tokens = d.global_batch * d.seq_len
+        # Each rank's summed loss is scaled so that FSDP's average over the dp ranks yields the
+        # gradient of the mean loss over the whole global batch.
+        # With cp, FSDP also averages over the cp ranks, which each hold 1/cp of every sample.
+        self.loss_scale = self.mesh_spec.dp_size * self.mesh_spec.cp / self.global_tokens
+        self.model_parts, self.ctx, self.pipeline = self._build_model()
+        # The whole model on this rank; with pipelining, this rank's stages (several for
+        # interleaved schedules) are `model_parts`.
+        self.model = self.model_parts[0] if len(self.model_parts) == 1 else None
+        self.optimizer = build_optimizer(self.model_parts, config.optim)
         self.scheduler = build_scheduler(self.optimizer, t.steps, config.optim)
         self.checkpointer = Checkpointer(self)
         # --resume's checkpoint (any mesh), else --init-from-hf's weights; the step to start at.
@@ -58,32 +66,112 @@ class Trainer:
 
         self.dp_rank = (self.mesh.get_local_rank("dp_replicate") * self.mesh_spec.dp_shard
                         + self.mesh.get_local_rank("dp_shard"))
-        self.loss_groups = [self.mesh.get_group(dim) for dim in ("dp_shard", "dp_replicate")
+        # The loss is summed over the data-parallel ranks, and taken from the last pipeline stage.
+        self.loss_groups = [self.mesh.get_group(dim) for dim in ("dp_shard", "dp_replicate", "cp", "pp")
                             if getattr(self.mesh_spec, dim) > 1]
-        self.global_tokens = d.global_batch * d.seq_len
-        # Each rank's summed loss is scaled so that FSDP's average over the dp ranks yields the
-        # gradient of the mean loss over the whole global batch.
-        self.loss_scale = self.mesh_spec.dp_size / self.global_tokens
-        self.rope_aux = llama.make_aux(self.model_cfg, torch.arange(d.seq_len, device=runtime.device))
+        self.pp_group = self.mesh.get_group("pp") if self.mesh_spec.pp > 1 else None
+        self.cp_rank = self.mesh.get_local_rank("cp")
+        positions = (context_parallel.load_balance_indices(d.seq_len, self.mesh_spec.cp, self.cp_rank)
+                     if self.mesh_spec.cp > 1 else torch.arange(d.seq_len))
+        self.rope_aux = families.make_aux(self.model_cfg, positions.to(runtime.device), loss_scale=self.loss_scale)
+        self.router_stats = getattr(self.rope_aux, "router_stats", None)
         self.peak_flops = peak_flops(runtime.device)
         self.flops_per_token = flops.flops_per_token(self.model_cfg, d.seq_len)
         self.metrics = MetricsLogger(self.run_dir, runtime.is_main, self.peak_flops, runtime.device)
         if runtime.is_main:
             logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s", config.model.model,
-                        sum(math.prod(s.shape) for s in self.model.specs.values()) / 1e6, self.mesh_spec,
+                        self.model_cfg_params / 1e6, self.mesh_spec,
                         runtime.world_size, runtime.device.type)
+
+    def _build_model(self):
+        """This rank's part of the model, laid out on the mesh; the pipeline runner if pp > 1."""
+        t, p = self.config.train, self.config.parallel
+        layers = families.layers(self.model_cfg)
+        self.model_cfg_params = spec.count_params(layers)
+        build = functools.partial(
+            parallelize, plan=self.plan, mesh=self.mesh, device=self.runtime.device, seed=t.seed,
+            compute_dtype=COMPUTE_DTYPES[t.precision], recompute_mode=t.recompute,
+            compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm,
+        )
+        if self.mesh_spec.pp == 1:
+            model, ctx = build(layers)
+            return [model], ctx, None
+        pp = self.mesh_spec.pp
+        num_stages = pp * p.pp_virtual_stages
+        num_blocks = self.model_cfg.num_layers
+        counts = (pipeline.parse_layout(p.pp_layout, num_blocks, num_stages) if p.pp_layout
+                  else pipeline.balanced_layout(num_blocks, num_stages, *pipeline.layer_costs(layers)))
+        ids = pipeline.stage_ids(self.mesh.get_local_rank("pp"), pp, p.pp_virtual_stages, p.pp_schedule)
+        parts = [build(pipeline.stage_layers(layers, counts, i))[0] for i in ids]
+        d = self.config.data
+        runner = pipeline.PipelineRunner(
+            parts, ids, num_stages, p.pp_schedule, d.global_batch // (d.micro_batch * self.mesh_spec.dp_size),
+            self.runtime.device, self.mesh.get_group("pp"), self.loss_scale,
+        )
+        if self.runtime.is_main:
+            logger.info("pipeline: %s, %d stages, blocks per stage %s", p.pp_schedule, num_stages, counts)
+        return parts, parts[0].ctx, runner
+
+    def parameters(self):
+        return [param for part in self.model_parts for param in part.parameters()]
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Accumulates the gradients of this rank's micro-batches; returns their summed loss."""
         device = self.runtime.device
+        if self.pipeline is not None:
+            inputs = self._local(torch.cat([inputs for inputs, _ in micro_batches]))
+            labels = self._local(torch.cat([labels for _, labels in micro_batches]))
+            with self.ctx.kernel_scope():
+                return self.pipeline.step(inputs, labels, self.rope_aux)
         loss_sum = torch.zeros((), device=device)
         with self.ctx.kernel_scope():
-            for inputs, labels in micro_batches:
-                aux = attrs.evolve(self.rope_aux, labels=labels.to(device, non_blocking=True))
-                micro_loss = self.model(inputs.to(device, non_blocking=True), aux)
+            for batch in micro_batches:
+                micro_loss = self.model(self._local(batch[0]), self._micro_aux(batch))
                 (micro_loss * self.loss_scale).backward()
                 loss_sum += micro_loss.detach().float()
         return loss_sum
+
+    def _local(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of full-sequence rows: its load-balanced chunks when cp > 1."""
+        tokens = tokens.to(self.runtime.device, non_blocking=True)
+        if self.mesh_spec.cp == 1:
+            return tokens
+        return context_parallel.shard_sequence(tokens, self.mesh_spec.cp, self.cp_rank)
+
+    def _micro_aux(self, batch) -> llama.Aux:
+        """The micro-batch's labels, and its per-document positions and mask when asked for."""
+        device, d = self.runtime.device, self.config.data
+        changes = {"labels": self._local(batch[1])}
+        if d.reset_position_ids:
+            changes["rope"] = llama.make_aux(self.model_cfg, batch.position_ids.to(device)).rope
+        if d.document_mask:
+            changes["document_ids"] = batch.document_ids.to(device, non_blocking=True)
+        return attrs.evolve(self.rope_aux, **changes)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean loss over one pass of the validation split (the same samples every time)."""
+        d, t = self.config.data, self.config.train
+        device = self.runtime.device
+        num_steps = self.val_dataset.eval_steps(t.eval_steps, d.global_batch)
+        batches = list(self.val_dataset.eval_micro_batches(
+            t.eval_steps, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size))
+        loss_sum = torch.zeros((), device=device)
+        with self.ctx.kernel_scope():
+            if self.pipeline is not None:
+                per_step = len(batches) // num_steps
+                for first in range(0, len(batches), per_step):
+                    group = batches[first:first + per_step]
+                    loss_sum += self.pipeline.evaluate(self._local(torch.cat([b[0] for b in group])),
+                                                       self._local(torch.cat([b[1] for b in group])), self.rope_aux)
+            else:
+                for batch in batches:
+                    loss_sum += self.model(self._local(batch[0]), self._micro_aux(batch)).float()
+        for group in self.loss_groups:
+            dist.all_reduce(loss_sum, group=group)
+        if self.router_stats is not None:
+            self.router_stats.reset()  # evaluation routing is not training statistics
+        return loss_sum.item() / (num_steps * d.global_batch * d.seq_len)
 
     def train_step(self) -> dict[str, float]:
         d = self.config.data
@@ -92,13 +180,14 @@ class Trainer:
             self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size
         )
         loss_sum = self.forward_backward(micro_batches)
-        grad_norm = clip_grads_(self.model.parameters(), self.config.optim.grad_clip)
+        grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         for group in self.loss_groups:
             dist.all_reduce(loss_sum, group=group)
+        router_scalars = self._after_moe_step()
         loss = loss_sum.item() / self.global_tokens
         elapsed = time.perf_counter() - start
         self.step += 1
@@ -110,8 +199,25 @@ class Trainer:
             "perf/tokens_per_sec_per_gpu": tokens_per_sec_per_gpu,
             "mem/peak_gb": peak_memory_gb(self.runtime.device),
         }
+        scalars.update(router_scalars)
         if self.peak_flops is not None:
             scalars["perf/mfu"] = 100.0 * self.flops_per_token * tokens_per_sec_per_gpu / self.peak_flops
+        return scalars
+
+    def _after_moe_step(self) -> dict[str, float]:
+        """Router statistics summed over the data-parallel ranks; the aux-loss-free bias update."""
+        if self.router_stats is None:
+            return {}
+        for group in self.loss_groups:
+            if group is not self.pp_group:  # pipeline stages hold different layers
+                for tensor in self.router_stats.tensors():
+                    dist.all_reduce(tensor, group=group)
+        rate = self.model_cfg.bias_update_rate
+        if rate > 0:
+            for part in self.model_parts:
+                moe.update_expert_bias(dict(part.named_parameters()), self.router_stats, rate)
+        scalars = self.router_stats.scalars()
+        self.router_stats.reset()
         return scalars
 
     def fit(self, before_step=None) -> list[dict[str, float]]:
@@ -125,6 +231,9 @@ class Trainer:
                     before_step(self.step)
                 scalars = self.train_step()
                 history.append(scalars)
+                every = self.config.train.eval_every
+                if every and (self.step % every == 0 or self.step == total):
+                    scalars["val/loss"] = self.evaluate()
                 console = self.step % self.config.train.log_every == 0 or self.step == total
                 self.metrics.log(self.step, total, scalars, console=console)
                 if self.checkpointer.after_step(self.step):

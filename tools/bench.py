@@ -24,6 +24,7 @@ from pathlib import Path
 SHAPES = {
     "llama-1b": ["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "4"],
     "llama-8b": ["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1"],
+    "mixtral-small": ["--model", "mixtral-small", "--seq-len", "4096", "--micro-batch", "2"],
     "tiny": ["--model", "tiny", "--seq-len", "256", "--micro-batch", "4"],
 }
 
@@ -77,16 +78,16 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
 
     from dtrain.config import load_config
     from dtrain.train import train
+    from parallel.mesh import MeshSpec
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     argv = [*SHAPES[shape], "--data", "synthetic", "--steps", str(steps), "--warmup-steps", "2", "--lr", "3e-4",
             "--run-dir", f"runs/bench-{shape}"]
-    # Unless given, one micro-batch per rank per step.
-    if "--global-batch" not in extra:
-        micro = int(SHAPES[shape][SHAPES[shape].index("--micro-batch") + 1])
-        mb = int(extra[extra.index("--micro-batch") + 1]) if "--micro-batch" in extra else micro
-        argv += ["--global-batch", str(mb * world_size)]
     config = load_config(argv + extra)
+    # Unless given, one micro-batch per data-parallel rank per step.
+    if "--global-batch" not in extra:
+        dp = MeshSpec.parse(config.parallel.mesh, world_size).dp_size
+        config = load_config(argv + extra + ["--global-batch", str(config.data.micro_batch * dp)])
     history = train(config, before_step=Profiler(profile_dir, warmup))
     if int(os.environ.get("RANK", "0")) != 0:
         return None
