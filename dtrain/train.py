@@ -35,8 +35,6 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     if mesh_spec.ep > 1 and model_cfg.num_experts % mesh_spec.ep:
         raise UserError(f"model {config.model.model} has {model_cfg.num_experts} experts, not divisible by "
                         f"ep={mesh_spec.ep}; choose an ep that divides {model_cfg.num_experts}")
-    if mesh_spec.ep > 1:
-        raise UserError(f"ep={mesh_spec.ep} is not available yet; MoE models train with ep=1 for now")
     if is_moe and mesh_spec.tp > 1:
         raise UserError(f"tp={mesh_spec.tp} with the MoE model {config.model.model} is not available yet; use tp=1")
     d, t = config.data, config.train

@@ -21,9 +21,10 @@ from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.train import build_plan, validate
 from models import families, flops, llama, moe, spec
 from models.errors import UserError
+from parallel.data_parallel import rescale_expert_grads_
 from parallel.gradients import clip_grads_
 from parallel import context_parallel, pipeline
-from parallel.mesh import build_device_mesh
+from parallel.mesh import build_device_mesh, build_expert_mesh
 from parallel.parallelize import parallelize
 
 logger = logging.getLogger("dtrain")
@@ -48,6 +49,7 @@ class Trainer:
         self.val_dataset = (data_lib.TokenDataset.from_args(d, self.model_cfg.vocab_size, t.seed, part="validation")
                             if t.eval_every > 0 else None)
         self.mesh = build_device_mesh(self.mesh_spec, runtime.device.type)
+        self.expert_mesh = build_expert_mesh(self.mesh_spec, runtime.device.type)
         self.plan = build_plan(config, self.mesh_spec, self.model_cfg)
         self.global_tokens = d.global_batch * d.seq_len
         # Each rank's summed loss is scaled so that FSDP's average over the dp ranks yields the
@@ -91,7 +93,7 @@ class Trainer:
         build = functools.partial(
             parallelize, plan=self.plan, mesh=self.mesh, device=self.runtime.device, seed=t.seed,
             compute_dtype=COMPUTE_DTYPES[t.precision], recompute_mode=t.recompute,
-            compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm,
+            compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm, expert_mesh=self.expert_mesh,
         )
         if self.mesh_spec.pp == 1:
             model, ctx = build(layers)
@@ -180,6 +182,7 @@ class Trainer:
             self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size
         )
         loss_sum = self.forward_backward(micro_batches)
+        rescale_expert_grads_(self.model_parts, self.plan)
         grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()

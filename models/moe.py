@@ -234,9 +234,10 @@ def moe_params(cfg: MoEConfig, std: float, out_std: float) -> dict[str, Any]:
         # plan leaves unsplit (unlike "expert", which expert parallelism splits).
         "router": spec.normal((e, d), ("router", "embed"), std),
         "experts": {
-            "w_gate": spec.normal((e, f, d), ("expert", "mlp", "embed"), std),
-            "w_up": spec.normal((e, f, d), ("expert", "mlp", "embed"), std),
-            "w_down": spec.normal((e, d, f), ("expert", "embed", "mlp"), out_std),
+            # "expert_mlp", not "mlp": experts are split whole over ep, not column/row over tp.
+            "w_gate": spec.normal((e, f, d), ("expert", "expert_mlp", "embed"), std),
+            "w_up": spec.normal((e, f, d), ("expert", "expert_mlp", "embed"), std),
+            "w_down": spec.normal((e, d, f), ("expert", "embed", "expert_mlp"), out_std),
         },
     }
     if cfg.bias_update_rate > 0:

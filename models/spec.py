@@ -17,7 +17,7 @@ import attrs
 import torch
 
 # The logical axes that parameters and activations may name. The sharding plan maps them to mesh axes.
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp", "expert", "router")
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp", "expert", "expert_mlp", "router")
 ACTIVATION_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "mlp", "vocab", "head_dim")
 
 

@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.context import LocalContext, causal_attention
 from parallel.context_parallel import context_parallel_attention
+from parallel.expert_parallel import ExpertParallelContextMixin
 from parallel.plan import Plan
 
 # cuDNN attention is the fastest on Hopper (BENCHMARKS.md), flash next. The memory-efficient
@@ -21,15 +22,18 @@ from parallel.plan import Plan
 CUDA_ATTENTION_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
-class ParallelContext(LocalContext):
-    """Constrains activations to the plan's layout; runs local kernels on the local shards."""
+class ParallelContext(ExpertParallelContextMixin, LocalContext):
+    """Constrains activations to the plan's layout; runs local kernels on the local shards;
+    sends tokens to the ranks holding their experts when ep > 1."""
 
-    def __init__(self, plan: Plan, mesh: DeviceMesh, cp_method: str = "allgather"):
+    def __init__(self, plan: Plan, mesh: DeviceMesh, cp_method: str = "allgather",
+                 expert_mesh: DeviceMesh | None = None):
         self.plan = plan
         dims = plan.activation_mesh_dims
         self.activation_mesh = mesh[dims] if dims else None
         self.cp_group = mesh.get_group("cp") if plan.mesh_spec.cp > 1 else None
         self.cp_method = cp_method
+        self.ep_group = expert_mesh.get_group("ep") if expert_mesh is not None else None
 
     def constrain(self, x, axes, region):
         if self.activation_mesh is None:

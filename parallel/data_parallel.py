@@ -23,7 +23,36 @@ def data_parallel_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
     return mesh[FSDP_SHARD_DIM]
 
 
-def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtype: torch.dtype) -> None:
+def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, policy) -> None:
+    """Expert weights (split over ep) are sharded over the ranks that hold the same experts:
+    edp, with dp_replicate in front for HSDP."""
+    spec = plan.mesh_spec
+    expert_dp_mesh = expert_mesh["dp_replicate", "edp"] if spec.dp_replicate > 1 else expert_mesh["edp"]
+    for block in model.blocks.values():
+        experts = getattr(getattr(block, "moe", None), "experts", None)
+        if experts is None:
+            continue
+        # Gathered when the block reads its parameters, and kept until the backward is over:
+        # the node has no tensor inputs, so FSDP reduces its gradients at the end of backward.
+        fully_shard(experts, mesh=expert_dp_mesh, mp_policy=policy, reshard_after_forward=False)
+
+
+@torch.no_grad()
+def rescale_expert_grads_(model_parts: list[ModelModule], plan: Plan) -> None:
+    """FSDP averages expert gradients over the edp x dp_replicate ranks that hold the same
+    experts, but each already sums the tokens of the whole ep group (the all-to-all backward
+    brings them home): divide by ep once more so they average over every data/context rank like
+    all other gradients. (A gradient divide factor in FSDP would do the same on NCCL, but needs a
+    PREMUL_SUM reduction that gloo lacks.)"""
+    if plan.mesh_spec.ep == 1:
+        return
+    grads = [p.grad.to_local() for part in model_parts for name, p in part.named_parameters()
+             if p.grad is not None and plan.is_expert(part.specs[name].axes)]
+    torch._foreach_mul_(grads, 1.0 / plan.mesh_spec.ep)
+
+
+def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtype: torch.dtype,
+               expert_mesh: DeviceMesh | None = None) -> None:
     dp_mesh = data_parallel_mesh(mesh, plan)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # With one shard there is nothing to free after forward; re-gathering would only cost time.
@@ -31,6 +60,8 @@ def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtyp
     # multiply the all-gathers, so blocks stay gathered between forward and backward.
     reshard = plan.mesh_spec.dp_shard * plan.mesh_spec.cp > 1 and plan.mesh_spec.pp == 1
     common = dict(mesh=dp_mesh, mp_policy=policy)
+    if expert_mesh is not None:
+        _shard_experts(model, expert_mesh, plan, policy)
     for block in model.blocks.values():
         fully_shard(block, reshard_after_forward=reshard, **common)
     if not model.tied:

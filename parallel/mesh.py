@@ -103,5 +103,19 @@ def build_device_mesh(spec: MeshSpec, device_type: str) -> DeviceMesh:
     return mesh
 
 
+# Expert parallelism borrows ranks from dp_shard x cp: the same ranks seen as (edp, ep), ep
+# innermost, so that each group of ep consecutive data/context ranks shares one set of experts.
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")
+
+
+def build_expert_mesh(spec: MeshSpec, device_type: str) -> DeviceMesh | None:
+    """The mesh expert weights live on (None when ep=1): `ep` splits the experts, `edp` (with
+    dp_replicate) holds copies of the same experts, which FSDP shards and reduces over."""
+    if spec.ep == 1:
+        return None
+    shape = (spec.pp, spec.dp_replicate, spec.dp_shard * spec.cp // spec.ep, spec.ep, spec.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
+
+
 def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from models import spec
 from models.context import ModelContext
@@ -18,11 +19,20 @@ from models.context import ModelContext
 MakeParam = Callable[[str, spec.ParamSpec], nn.Parameter]
 
 
+class ParamNode(nn.Module):
+    """One level of a layer's parameter tree. Calling it returns its parameters: a node that is
+    its own FSDP unit (expert weights, sharded over other ranks than the rest of the layer) is
+    called rather than read, so that FSDP gathers it first."""
+
+    def forward(self) -> dict[str, Any]:
+        return _read_tree(self)
+
+
 def _register_tree(module: nn.Module, params: dict[str, Any], make_param: MakeParam, prefix: str) -> None:
     for key, value in params.items():
         path = f"{prefix}.{key}"
         if isinstance(value, dict):
-            child = nn.Module()
+            child = ParamNode()
             _register_tree(child, value, make_param, path)
             module.add_module(key, child)
         else:
@@ -33,7 +43,7 @@ def _read_tree(module: nn.Module) -> dict[str, Any]:
     # Read at call time: FSDP swaps the registered parameters between sharded and unsharded ones.
     tree: dict[str, Any] = {name: p for name, p in module.named_parameters(recurse=False)}
     for name, child in module.named_children():
-        tree[name] = _read_tree(child)
+        tree[name] = child() if isinstance(child, FSDPModule) else _read_tree(child)
     return tree
 
 

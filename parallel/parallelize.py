@@ -19,15 +19,19 @@ from parallel.plan import Plan
 def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, device: torch.device,
                 seed: int, compute_dtype: torch.dtype, recompute_mode: str = "none",
                 compile_blocks: bool = False, async_tp: bool = False,
-                cp_method: str = "allgather") -> tuple[ModelModule, ParallelContext]:
-    ctx = ParallelContext(plan, mesh, cp_method)
+                cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None,
+                ) -> tuple[ModelModule, ParallelContext]:
+    ctx = ParallelContext(plan, mesh, cp_method, expert_mesh)
     if async_tp:
         enable_async_tp(mesh)
     param_mesh = mesh[plan.param_mesh_dims] if plan.param_mesh_dims else None
 
     def make_param(path: str, param: spec.ParamSpec) -> nn.Parameter:
         value = torch.empty(param.shape, device="meta")
-        if param_mesh is not None:
+        if expert_mesh is not None and plan.is_expert(param.axes):
+            placements = plan.expert_placements(param.axes)
+            value = distribute_tensor(value, expert_mesh["ep"], placements, src_data_rank=None)
+        elif param_mesh is not None:
             value = distribute_tensor(value, param_mesh, plan.param_placements(param.axes), src_data_rank=None)
         return nn.Parameter(value, requires_grad=param.trainable)
 
@@ -36,7 +40,7 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
         block.forward_fn = recompute.wrap(block.forward_fn, recompute_mode)
         if compile_blocks:
             block.forward_fn = torch.compile(block.forward_fn)
-    data_parallel.apply_fsdp(model, mesh, plan, compute_dtype=compute_dtype)
+    data_parallel.apply_fsdp(model, mesh, plan, compute_dtype=compute_dtype, expert_mesh=expert_mesh)
     model.to_empty(device=device)
     init_parameters(model, seed)
     return model, ctx

@@ -31,7 +31,9 @@ Rules = Mapping[str, MeshAxes]
 # Megatron-style tensor parallelism: attention heads and the MLP hidden dim split column-then-row,
 # the vocabulary split in the embedding and the output head.
 DEFAULT_PARAM_RULES: dict[str, MeshAxes] = {
-    "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp", "embed": None, "expert": "ep",
+    "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp", "embed": None,
+    # Expert parallelism: whole experts per rank over ep; the router stays whole on every rank.
+    "expert": "ep", "expert_mlp": None, "router": None,
 }
 
 # Activation layouts per region of the forward. Axes not named stay unsplit (over tp and cp);
@@ -131,6 +133,14 @@ class Plan:
         used = {m for v in self.param_rules.values() for m in ((v,) if isinstance(v, str) else (v or ()))}
         return self._active(tuple(used - set(self.data_parallel_axes)))
 
+    @staticmethod
+    def is_expert(axes: tuple[str, ...]) -> bool:
+        return "expert" in axes
+
+    def expert_placements(self, axes: tuple[str, ...]) -> tuple[Placement, ...]:
+        """Placements of an expert weight on the expert mesh's `ep` dim."""
+        return resolve(axes, self.param_rules, ("ep",))
+
     @property
     def activation_mesh_dims(self) -> tuple[str, ...]:
         # Over cp each rank holds its own load-balanced chunks of every sequence (not a contiguous
@@ -147,6 +157,13 @@ class Plan:
 
     def full_placements(self, axes: tuple[str, ...]) -> dict[str, str]:
         """Each active mesh dim -> placement of one parameter once data parallelism is applied."""
+        if self.is_expert(axes) and self.mesh_spec.ep > 1:
+            edp = self.mesh_spec.dp_shard * self.mesh_spec.cp // self.mesh_spec.ep
+            layout = {"dp_replicate": "R"} if self.mesh_spec.dp_replicate > 1 else {}
+            if edp > 1:
+                layout["edp"] = "S(0)"
+            layout["ep"] = _short(self.expert_placements(axes)[0])
+            return layout
         layout = dict(zip(self.param_mesh_dims, map(_short, self.param_placements(axes))))
         for dim in self._active((*self.data_parallel_axes, "cp")):
             # FSDP shards dim 0 over dp_shard x cp; HSDP replicates those shards over dp_replicate.
@@ -157,6 +174,13 @@ class Plan:
         """The shard shape on the first rank (uneven splits round up, like torch.chunk)."""
         local = list(shape)
         sizes = self.mesh_spec.sizes()
+        if self.is_expert(axes) and self.mesh_spec.ep > 1:
+            for placement in self.expert_placements(axes):
+                if isinstance(placement, Shard):
+                    local[placement.dim] = math.ceil(local[placement.dim] / self.mesh_spec.ep)
+            edp = sizes["dp_shard"] * sizes["cp"] // self.mesh_spec.ep
+            local[0] = math.ceil(local[0] / edp)
+            return tuple(local)
         for dim, placement in zip(self.param_mesh_dims, self.param_placements(axes)):
             if isinstance(placement, Shard):
                 local[placement.dim] = math.ceil(local[placement.dim] / sizes[dim])
