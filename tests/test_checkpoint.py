@@ -54,8 +54,9 @@ def test_resume_on_the_same_mesh_is_exact(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_reshards_single_to_dp_to_tp_to_dp(reference, tmp_path):
-    """single@3 -> dp=2 (async saves, keep 3) @6 -> tp=2 @8 -> dp=2, each against the uninterrupted run."""
+def test_resume_reshards_single_to_dp_to_tp_to_dp_and_pp(reference, tmp_path):
+    """single@3 -> dp=2 (async saves, keep 3) @6 -> tp=2, then tp=2@8 -> dp=2 and tp=2@7 -> pp=2,
+    each against the uninterrupted run."""
     ref_dir, losses = reference
     dp = train_scalars(tmp_path / "dp", ["--mesh", "dp=2", "--resume", str(ref_dir / "checkpoints" / "step_000003"),
                                          "--checkpoint-every", "2", "--async-checkpoint", "--keep-last", "3"], nproc=2)
@@ -63,11 +64,15 @@ def test_resume_reshards_single_to_dp_to_tp_to_dp(reference, tmp_path):
     dp_checkpoints = tmp_path / "dp" / ckpt.CHECKPOINTS
     assert sorted(p.name for p in dp_checkpoints.iterdir()) == ["step_000006", "step_000008", "step_000010"]
     tp = train_scalars(tmp_path / "tp", ["--mesh", "tp=2", "--resume", str(dp_checkpoints / "step_000006"),
-                                         "--checkpoint-every", "2"], nproc=2)
+                                         "--checkpoint-every", "1"], nproc=2)
     _assert_continues(tp["train/loss"], losses, 6, LOSS_RTOL, "dp=2 -> tp=2")
     back = train_scalars(tmp_path / "back", ["--mesh", "dp=2", "--resume",
                                              str(tmp_path / "tp" / "checkpoints" / "step_000008")], nproc=2)
     _assert_continues(back["train/loss"], losses, 8, LOSS_RTOL, "tp=2 -> dp=2")
+    # Pipeline stages hold parts of the model; the checkpoint keys stay the global parameter names.
+    pp = train_scalars(tmp_path / "pp", ["--mesh", "pp=2", "--resume",
+                                         str(tmp_path / "tp" / "checkpoints" / "step_000007")], nproc=2)
+    _assert_continues(pp["train/loss"], losses, 7, LOSS_RTOL, "tp=2 -> pp=2")
 
 
 def _start_cli(args: list[str]) -> subprocess.Popen:
