@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 
 from dtrain.indexed import IndexedDataset
-from models.errors import UserError
 
 logger = logging.getLogger("dtrain")
 

@@ -56,55 +56,75 @@ def head_forward(p: dict, x: torch.Tensor, aux: Aux, ctx: ModelContext, *, cfg: 
     return ctx.cross_entropy_sum(logits, aux.labels)
 
 
-def layers(cfg: LlamaConfig) -> list[spec.Layer]:
-    std = cfg.init_std
-    # Projections into the residual stream are scaled down with depth (GPT-2 style) so the
-    # residual's variance does not grow with the number of layers.
-    out_std = std / math.sqrt(2 * cfg.num_layers)
+def init_stds(cfg) -> tuple[float, float]:
+    """The init std of weights, and of the projections into the residual stream, which are
+    scaled down with depth (GPT-2 style) so the residual's variance does not grow with it."""
+    return cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+
+def attention_params(cfg, std: float, out_std: float) -> dict[str, spec.ParamSpec]:
     hd, d = cfg.head_dim, cfg.dim
-    block_params = {
-        "attn_norm": spec.ones((d,), ("embed",)),
-        "attn": {
-            "wq": spec.normal((cfg.num_heads * hd, d), ("heads", "embed"), std),
-            "wk": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
-            "wv": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
-            "wo": spec.normal((d, cfg.num_heads * hd), ("embed", "heads"), out_std),
-        },
-        "mlp_norm": spec.ones((d,), ("embed",)),
-        "mlp": {
-            "w_gate": spec.normal((cfg.ffn_dim, d), ("mlp", "embed"), std),
-            "w_up": spec.normal((cfg.ffn_dim, d), ("mlp", "embed"), std),
-            "w_down": spec.normal((d, cfg.ffn_dim), ("embed", "mlp"), out_std),
-        },
+    return {
+        "wq": spec.normal((cfg.num_heads * hd, d), ("heads", "embed"), std),
+        "wk": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
+        "wv": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
+        "wo": spec.normal((d, cfg.num_heads * hd), ("embed", "heads"), out_std),
     }
-    embedding = spec.ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), "normal", std, weight_decay=False)
+
+
+def swiglu_params(width: int, dim: int, std: float, out_std: float) -> dict[str, spec.ParamSpec]:
+    return {
+        "w_gate": spec.normal((width, dim), ("mlp", "embed"), std),
+        "w_up": spec.normal((width, dim), ("mlp", "embed"), std),
+        "w_down": spec.normal((dim, width), ("embed", "mlp"), out_std),
+    }
+
+
+def embed_and_head(cfg) -> tuple[spec.Layer, spec.Layer]:
+    """The first and last layers, shared by every decoder family here."""
+    d = cfg.dim
+    embedding = spec.ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), "normal", cfg.init_std, weight_decay=False)
     head_params: dict[str, Any] = {"norm": spec.ones((d,), ("embed",))}
     tied = {}
     if cfg.tie_embeddings:
         tied = {"output": "embed.weight"}
     else:
         head_params["output"] = spec.normal((cfg.vocab_size, d), ("vocab", "embed"), d**-0.5)
-    return [
-        spec.Layer("embed", {"weight": embedding}, embed_forward),
-        *(
-            spec.Layer(f"blocks.{i}", block_params, functools.partial(block_forward, cfg=cfg))
-            for i in range(cfg.num_layers)
-        ),
-        spec.Layer("head", head_params, functools.partial(head_forward, cfg=cfg), tied=tied),
-    ]
+    return (spec.Layer("embed", {"weight": embedding}, embed_forward),
+            spec.Layer("head", head_params, functools.partial(head_forward, cfg=cfg), tied=tied))
+
+
+def layers(cfg: LlamaConfig) -> list[spec.Layer]:
+    std, out_std = init_stds(cfg)
+    block_params = {
+        "attn_norm": spec.ones((cfg.dim,), ("embed",)),
+        "attn": attention_params(cfg, std, out_std),
+        "mlp_norm": spec.ones((cfg.dim,), ("embed",)),
+        "mlp": swiglu_params(cfg.ffn_dim, cfg.dim, std, out_std),
+    }
+    embed, head = embed_and_head(cfg)
+    blocks = [spec.Layer(f"blocks.{i}", block_params, functools.partial(block_forward, cfg=cfg))
+              for i in range(cfg.num_layers)]
+    return [embed, *blocks, head]
+
+
+def run_layers(model_layers: list[spec.Layer], params: dict[str, Any], tokens: torch.Tensor, aux: Aux,
+               ctx: ModelContext) -> torch.Tensor:
+    """Runs a layer sequence on a parameter tree keyed by layer names (single process)."""
+    x = tokens
+    for layer in model_layers:
+        layer_params = dict(_lookup(params, layer.name))
+        for path, source in layer.tied.items():
+            layer_params[path] = _lookup(params, source)
+        x = layer.forward(layer_params, x, aux, ctx)
+    return x
 
 
 def forward(params: dict[str, Any], tokens: torch.Tensor, labels: torch.Tensor, cfg: LlamaConfig,
             ctx: ModelContext) -> torch.Tensor:
     """The whole model on a parameter tree keyed like `layers(cfg)`: summed loss over the labels."""
     aux = make_aux(cfg, torch.arange(tokens.shape[1], device=tokens.device), labels)
-    x = tokens
-    for layer in layers(cfg):
-        layer_params = dict(_lookup(params, layer.name))
-        for path, source in layer.tied.items():
-            layer_params[path] = _lookup(params, source)
-        x = layer.forward(layer_params, x, aux, ctx)
-    return x
+    return run_layers(layers(cfg), params, tokens, aux, ctx)
 
 
 def _lookup(tree: dict[str, Any], dotted: str) -> Any:

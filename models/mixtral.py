@@ -8,7 +8,6 @@ embedding, attention and head; each block's feed-forward is `models.moe.moe_forw
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import attrs
@@ -50,70 +49,35 @@ def block_forward(p: dict, x: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg:
 
 
 def _block_params(cfg: MoEConfig, index: int, std: float, out_std: float) -> dict[str, Any]:
-    hd, d = cfg.head_dim, cfg.dim
     params: dict[str, Any] = {
-        "attn_norm": spec.ones((d,), ("embed",)),
-        "attn": {
-            "wq": spec.normal((cfg.num_heads * hd, d), ("heads", "embed"), std),
-            "wk": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
-            "wv": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
-            "wo": spec.normal((d, cfg.num_heads * hd), ("embed", "heads"), out_std),
-        },
-        "mlp_norm": spec.ones((d,), ("embed",)),
+        "attn_norm": spec.ones((cfg.dim,), ("embed",)),
+        "attn": llama.attention_params(cfg, std, out_std),
+        "mlp_norm": spec.ones((cfg.dim,), ("embed",)),
     }
     if cfg.is_moe_layer(index):
         params["moe"] = moe.moe_params(cfg, std, out_std)
     else:
-        params["mlp"] = {
-            "w_gate": spec.normal((cfg.dense_ffn_dim, d), ("mlp", "embed"), std),
-            "w_up": spec.normal((cfg.dense_ffn_dim, d), ("mlp", "embed"), std),
-            "w_down": spec.normal((d, cfg.dense_ffn_dim), ("embed", "mlp"), out_std),
-        }
+        params["mlp"] = llama.swiglu_params(cfg.dense_ffn_dim, cfg.dim, std, out_std)
     return params
 
 
 def layers(cfg: MoEConfig) -> list[spec.Layer]:
-    std = cfg.init_std
-    # As in llama: projections into the residual stream are scaled down with depth.
-    out_std = std / math.sqrt(2 * cfg.num_layers)
-    d = cfg.dim
-    embedding = spec.ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), "normal", std, weight_decay=False)
-    head_params: dict[str, Any] = {"norm": spec.ones((d,), ("embed",))}
-    tied = {}
-    if cfg.tie_embeddings:
-        tied = {"output": "embed.weight"}
-    else:
-        head_params["output"] = spec.normal((cfg.vocab_size, d), ("vocab", "embed"), d**-0.5)
-    return [
-        spec.Layer("embed", {"weight": embedding}, llama.embed_forward),
-        *(
-            spec.Layer(f"blocks.{i}", _block_params(cfg, i, std, out_std),
-                       functools.partial(block_forward, cfg=cfg, index=i))
-            for i in range(cfg.num_layers)
-        ),
-        spec.Layer("head", head_params, functools.partial(llama.head_forward, cfg=cfg), tied=tied),
-    ]
+    std, out_std = llama.init_stds(cfg)
+    embed, head = llama.embed_and_head(cfg)
+    blocks = [spec.Layer(f"blocks.{i}", _block_params(cfg, i, std, out_std),
+                         functools.partial(block_forward, cfg=cfg, index=i))
+              for i in range(cfg.num_layers)]
+    return [embed, *blocks, head]
 
 
 def forward(params: dict[str, Any], tokens: torch.Tensor, labels: torch.Tensor, cfg: MoEConfig,
             ctx: ModelContext, router_stats: moe.RouterStats | None = None) -> torch.Tensor:
     """The whole model on a parameter tree keyed like `layers(cfg)`: summed loss over the labels."""
     aux = make_aux(cfg, torch.arange(tokens.shape[1], device=tokens.device), labels, router_stats)
-    x = tokens
-    for layer in layers(cfg):
-        layer_params = dict(_lookup(params, layer.name))
-        for path, source in layer.tied.items():
-            layer_params[path] = _lookup(params, source)
-        x = layer.forward(layer_params, x, aux, ctx)
-    return x
+    return llama.run_layers(layers(cfg), params, tokens, aux, ctx)
 
 
 def is_expert_weight(param: spec.ParamSpec) -> bool:
     """A stacked weight of all routed experts, of which a token uses only top_k slices."""
     return len(param.shape) == 3 and param.axes[0] == "expert"
 
-
-def _lookup(tree: dict[str, Any], dotted: str) -> Any:
-    for key in dotted.split("."):
-        tree = tree[key]
-    return tree

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import attrs
-import pytest
 import torch
 
 from dtrain.metrics import format_line, peak_flops, peak_memory_gb
