@@ -41,13 +41,16 @@ def peak_memory_gb(device: torch.device) -> float:
 class MetricsLogger:
     """Console lines on rank 0 and TensorBoard scalars under `run_dir/tensorboard`."""
 
-    def __init__(self, run_dir: Path, enabled: bool, peak: float | None, device: torch.device):
+    def __init__(self, run_dir: Path, enabled: bool, peak: float | None, device: torch.device,
+                 start_step: int = 0):
         self.enabled = enabled
         self.writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            # A resumed run drops the events a previous run logged after its checkpoint.
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                                        purge_step=start_step + 1 if start_step else None)
             if peak is None:
                 kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
                 logger.warning("MFU is not reported: no known peak FLOP/s for %s", kind)

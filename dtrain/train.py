@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from dtrain import data as data_lib
@@ -35,9 +37,10 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     if mesh_spec.ep > 1 and model_cfg.num_experts % mesh_spec.ep:
         raise UserError(f"model {config.model.model} has {model_cfg.num_experts} experts, not divisible by "
                         f"ep={mesh_spec.ep}; choose an ep that divides {model_cfg.num_experts}")
-    if is_moe and mesh_spec.tp > 1:
-        raise UserError(f"tp={mesh_spec.tp} with the MoE model {config.model.model} is not available yet; use tp=1")
     d, t = config.data, config.train
+    if is_moe and tp > 1 and d.seq_len % tp:
+        raise UserError(f"--seq-len {d.seq_len} is not divisible by tp={tp}: MoE layers split the tokens over tp; "
+                        f"use a multiple of {tp}")
     for name, value in (("--seq-len", d.seq_len), ("--micro-batch", d.micro_batch),
                         ("--global-batch", d.global_batch), ("--steps", t.steps)):
         if value < 1:
@@ -51,6 +54,13 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     if config.parallel.async_tp and not (config.train.compile and config.parallel.sequence_parallel
                                          and tp > 1 and torch.cuda.is_available()):
         raise UserError("--async-tp needs --compile, --sequence-parallel, a mesh with tp > 1 and CUDA GPUs")
+    for name, value in (("--checkpoint-every", t.checkpoint_every), ("--keep-last", t.keep_last),
+                        ("--eval-every", t.eval_every)):
+        if value < 0:
+            raise UserError(f"{name} {value} must be >= 0")
+    for name, path in (("--resume", t.resume if t.resume != "latest" else None), ("--init-from-hf", t.init_from_hf)):
+        if path is not None and not Path(path).exists():
+            raise UserError(f"{name} {path}: no such checkpoint directory")
     if config.optim.warmup_steps < 0 or config.optim.lr <= 0:
         raise UserError("--lr must be > 0 and --warmup-steps >= 0")
     if mesh_spec.pp > 1:

@@ -72,6 +72,11 @@ class Trainer:
         self.loss_groups = [self.mesh.get_group(dim) for dim in ("dp_shard", "dp_replicate", "cp", "pp")
                             if getattr(self.mesh_spec, dim) > 1]
         self.pp_group = self.mesh.get_group("pp") if self.mesh_spec.pp > 1 else None
+        self.tp_group = self.mesh.get_group("tp") if self.mesh_spec.tp > 1 else None
+        # Router statistics: every rank counts its own tokens; pipeline stages hold other layers.
+        self.router_stat_groups = [g for g in self.loss_groups if g is not self.pp_group]
+        if self.tp_group is not None:
+            self.router_stat_groups.append(self.tp_group)
         self.cp_rank = self.mesh.get_local_rank("cp")
         positions = (context_parallel.load_balance_indices(d.seq_len, self.mesh_spec.cp, self.cp_rank)
                      if self.mesh_spec.cp > 1 else torch.arange(d.seq_len))
@@ -79,7 +84,8 @@ class Trainer:
         self.router_stats = getattr(self.rope_aux, "router_stats", None)
         self.peak_flops = peak_flops(runtime.device)
         self.flops_per_token = flops.flops_per_token(self.model_cfg, d.seq_len)
-        self.metrics = MetricsLogger(self.run_dir, runtime.is_main, self.peak_flops, runtime.device)
+        self.metrics = MetricsLogger(self.run_dir, runtime.is_main, self.peak_flops, runtime.device,
+                                     start_step=self.step)
         if runtime.is_main:
             logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s", config.model.model,
                         self.model_cfg_params / 1e6, self.mesh_spec,
@@ -182,7 +188,7 @@ class Trainer:
             self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size
         )
         loss_sum = self.forward_backward(micro_batches)
-        rescale_expert_grads_(self.model_parts, self.plan)
+        rescale_expert_grads_(self.model_parts, self.plan, self.tp_group)
         grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -211,10 +217,9 @@ class Trainer:
         """Router statistics summed over the data-parallel ranks; the aux-loss-free bias update."""
         if self.router_stats is None:
             return {}
-        for group in self.loss_groups:
-            if group is not self.pp_group:  # pipeline stages hold different layers
-                for tensor in self.router_stats.tensors():
-                    dist.all_reduce(tensor, group=group)
+        for group in self.router_stat_groups:
+            for tensor in self.router_stats.tensors():
+                dist.all_reduce(tensor, group=group)
         rate = self.model_cfg.bias_update_rate
         if rate > 0:
             for part in self.model_parts:

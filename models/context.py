@@ -31,6 +31,10 @@ class ModelContext(Protocol):
     def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy in fp32; labels of -100 are ignored."""
 
+    def per_token(self, fn, params: dict, x: torch.Tensor) -> torch.Tensor:
+        """`fn(params, x)` for a computation that treats each token on its own (MoE routing and
+        experts), on the tokens this rank owns; same layout out as `x` came in."""
+
     def experts(self, x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                 w_down: torch.Tensor) -> torch.Tensor:
         """SwiGLU experts over rows grouped by expert: x [rows, embed] holds counts[e] rows for
@@ -119,6 +123,9 @@ class LocalContext:
 
     def attention(self, q, k, v, document_ids=None):
         return causal_attention(q, k, v, document_ids)
+
+    def per_token(self, fn, params, x):
+        return fn(params, x)
 
     def cross_entropy_sum(self, logits, labels):
         return F.cross_entropy(

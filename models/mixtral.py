@@ -42,7 +42,7 @@ def block_forward(p: dict, x: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg:
     x = x + ctx.constrain(attn, RESIDUAL, "residual")
     h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
     if "moe" in p:
-        ffn = moe.moe_forward(p["moe"], h, cfg, ctx, layer=index, aux=aux)
+        ffn = ctx.per_token(functools.partial(moe.moe_forward, cfg=cfg, ctx=ctx, layer=index, aux=aux), p["moe"], h)
     else:
         ffn = swiglu_block(p["mlp"], h, ctx)
     return x + ctx.constrain(ffn, RESIDUAL, "residual")

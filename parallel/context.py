@@ -6,8 +6,9 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map_only
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -103,6 +104,27 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         )
         # A copy, not the view to_local gives: FSDP hooks the module output for its backward.
         return loss.to_local().clone() if isinstance(loss, DTensor) else loss
+
+    def per_token(self, fn, params, x):
+        if not isinstance(x, DTensor):
+            return fn(params, x)
+        # Each tp rank takes its own share of the sequence (no communication from a replicated
+        # input; none at all under sequence parallelism), so tp divides the MoE work too.
+        mesh = x.device_mesh
+        by_sequence = [Shard(1)] * mesh.ndim
+        local_x = x.redistribute(mesh, by_sequence).to_local()
+        local_params = tree_map_only(DTensor, lambda t: self._whole_for_local_tokens(t, mesh), params)
+        return DTensor.from_local(fn(local_params, local_x), mesh, by_sequence, run_check=False)
+
+    @staticmethod
+    def _whole_for_local_tokens(weight: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        """A weight on the tp mesh in full on this rank, for use on this rank's tokens only: its
+        gradients are partial sums that DTensor adds up over tp. Expert weights on the expert
+        mesh are left to the expert-parallel dispatch."""
+        if weight.device_mesh != mesh:
+            return weight
+        replicated = weight.redistribute(mesh, [Replicate()] * mesh.ndim)
+        return replicated.to_local(grad_placements=[Partial()] * mesh.ndim)
 
     @contextlib.contextmanager
     def kernel_scope(self):

@@ -8,6 +8,7 @@ block's gradients with the backward of the block before it.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -38,7 +39,7 @@ def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, poli
 
 
 @torch.no_grad()
-def rescale_expert_grads_(model_parts: list[ModelModule], plan: Plan) -> None:
+def rescale_expert_grads_(model_parts: list[ModelModule], plan: Plan, tp_group=None) -> None:
     """FSDP averages expert gradients over the edp x dp_replicate ranks that hold the same
     experts, but each already sums the tokens of the whole ep group (the all-to-all backward
     brings them home): divide by ep once more so they average over every data/context rank like
@@ -49,6 +50,11 @@ def rescale_expert_grads_(model_parts: list[ModelModule], plan: Plan) -> None:
     grads = [p.grad.to_local() for part in model_parts for name, p in part.named_parameters()
              if p.grad is not None and plan.is_expert(part.specs[name].axes)]
     torch._foreach_mul_(grads, 1.0 / plan.mesh_spec.ep)
+    if plan.mesh_spec.tp > 1 and grads:
+        # The tp ranks of one ep rank hold the same experts and saw different tokens.
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=tp_group)
+        torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
 def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtype: torch.dtype,

@@ -16,6 +16,8 @@ BAD_INPUTS = [
     (["--model", "llama-9000"], "unknown model 'llama-9000'"),
     (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
     (["--tokenizer", "/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json"),
+    (["--resume", "/nonexistent/step_000100"], "--resume /nonexistent/step_000100: no such checkpoint"),
+    (["--checkpoint-every", "-5"], "--checkpoint-every -5 must be >= 0"),
 ]
 
 

@@ -19,6 +19,8 @@ CASES = [
     # ep borrows from dp_shard x cp; the load-balancing loss is then per sequence chunk.
     ([], ["--mesh", "cp=2,ep=2"], 2),
     (["--model-overrides", "capacity_factor=1.0"], ["--mesh", "dp=2,pp=2"], 4),
+    # TP on the attention; each tp rank routes its own share of the tokens through the experts.
+    ([], ["--mesh", "dp=2,ep=2,tp=2", "--sequence-parallel"], 4),
 ]
 
 
