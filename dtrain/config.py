@@ -74,6 +74,11 @@ class TrainArgs:
     seed: int = _field(0, "seed of initialisation and data order")
     precision: str = _field("bf16", "compute precision (master weights and gradient reduction are fp32)",
                             choices=("bf16", "fp32"))
+    fp8: str | None = _field(None, "FP8 matmuls in the blocks (torchao recipes; on CPUs and pre-Hopper GPUs "
+                                   "the casts are emulated)", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    fp8_backend: str = _field("torchao", "FP8 implementation", choices=("torchao", "te"))
+    fp8_keep_ends: bool = _field(False, "keep the first and last blocks in bf16 under --fp8 (the output head "
+                                        "always is)")
     compile: bool = _field(False, "torch.compile each transformer block")
     recompute: str = _field("none", "activation recompute of blocks", choices=("none", "selective", "full"))
     run_dir: str = _field("runs/default", "directory for the resolved config, TensorBoard files and log")

@@ -12,7 +12,7 @@ from dtrain.config import Config
 from models import families
 from models.config import LlamaConfig, MoEConfig, get_model_config
 from models.errors import UserError
-from parallel import pipeline
+from parallel import pipeline, precision
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
 
@@ -54,6 +54,12 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     if config.parallel.async_tp and not (config.train.compile and config.parallel.sequence_parallel
                                          and tp > 1 and torch.cuda.is_available()):
         raise UserError("--async-tp needs --compile, --sequence-parallel, a mesh with tp > 1 and CUDA GPUs")
+    if t.fp8 is not None:
+        if t.precision != "bf16":
+            raise UserError(f"--fp8 runs the other ops in bf16; use --precision bf16, not {t.precision}")
+        dims = [model_cfg.dim, model_cfg.num_heads * model_cfg.head_dim, model_cfg.num_kv_heads * model_cfg.head_dim]
+        dims.append(model_cfg.expert_ffn_dim if is_moe else model_cfg.ffn_dim)
+        precision.validate_fp8(t.fp8, t.fp8_backend, [dim // tp for dim in dims[1:]] + [dims[0]])
     for name, value in (("--checkpoint-every", t.checkpoint_every), ("--keep-last", t.keep_last),
                         ("--eval-every", t.eval_every)):
         if value < 0:

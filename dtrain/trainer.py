@@ -21,9 +21,9 @@ from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.train import build_plan, validate
 from models import families, flops, llama, moe, spec
 from models.errors import UserError
-from parallel.data_parallel import rescale_expert_grads_
+from parallel import context_parallel, pipeline, precision
+from parallel.data_parallel import expert_parameters, rescale_expert_grads_
 from parallel.gradients import clip_grads_
-from parallel import context_parallel, pipeline
 from parallel.mesh import build_device_mesh, build_expert_mesh
 from parallel.parallelize import parallelize
 
@@ -60,6 +60,7 @@ class Trainer:
         # The whole model on this rank; with pipelining, this rank's stages (several for
         # interleaved schedules) are `model_parts`.
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else None
+        self.expert_params = expert_parameters(self.model_parts, self.plan)
         self.optimizer = build_optimizer(self.model_parts, config.optim)
         self.scheduler = build_scheduler(self.optimizer, t.steps, config.optim)
         self.checkpointer = Checkpointer(self)
@@ -88,18 +89,18 @@ class Trainer:
                                      start_step=self.step)
         if runtime.is_main:
             logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s", config.model.model,
-                        self.model_cfg_params / 1e6, self.mesh_spec,
+                        spec.count_params(families.layers(self.model_cfg)) / 1e6, self.mesh_spec,
                         runtime.world_size, runtime.device.type)
 
     def _build_model(self):
         """This rank's part of the model, laid out on the mesh; the pipeline runner if pp > 1."""
         t, p = self.config.train, self.config.parallel
         layers = families.layers(self.model_cfg)
-        self.model_cfg_params = spec.count_params(layers)
         build = functools.partial(
             parallelize, plan=self.plan, mesh=self.mesh, device=self.runtime.device, seed=t.seed,
             compute_dtype=COMPUTE_DTYPES[t.precision], recompute_mode=t.recompute,
             compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm, expert_mesh=self.expert_mesh,
+            fp8_linear=precision.fp8_linear(t.fp8, self.runtime.device), fp8_layers=self._fp8_layers(),
         )
         if self.mesh_spec.pp == 1:
             model, ctx = build(layers)
@@ -119,6 +120,12 @@ class Trainer:
         if self.runtime.is_main:
             logger.info("pipeline: %s, %d stages, blocks per stage %s", p.pp_schedule, num_stages, counts)
         return parts, parts[0].ctx, runner
+
+    def _fp8_layers(self) -> frozenset[str]:
+        """The blocks whose matmuls run in FP8: all of them, or all but the first and last."""
+        num_layers = self.model_cfg.num_layers
+        keep = {0, num_layers - 1} if self.config.train.fp8_keep_ends else set()
+        return frozenset(f"blocks.{i}" for i in range(num_layers) if i not in keep)
 
     def parameters(self):
         return [param for part in self.model_parts for param in part.parameters()]
@@ -188,7 +195,7 @@ class Trainer:
             self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size
         )
         loss_sum = self.forward_backward(micro_batches)
-        rescale_expert_grads_(self.model_parts, self.plan, self.tp_group)
+        rescale_expert_grads_(self.expert_params, self.plan, self.tp_group)
         grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,18 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         self.cp_group = mesh.get_group("cp") if plan.mesh_spec.cp > 1 else None
         self.cp_method = cp_method
         self.ep_group = expert_mesh.get_group("ep") if expert_mesh is not None else None
+        self.fp8_linear = None
+
+    def with_fp8(self, fp8_linear) -> ParallelContext:
+        """The same context with its matmuls in FP8 (given to the blocks that use it)."""
+        ctx = copy.copy(self)
+        ctx.fp8_linear = fp8_linear
+        return ctx
+
+    def linear(self, x, weight):
+        if self.fp8_linear is not None:
+            return self.fp8_linear(x, weight)
+        return F.linear(x, weight)
 
     def constrain(self, x, axes, region):
         if self.activation_mesh is None:

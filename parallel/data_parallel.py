@@ -38,19 +38,25 @@ def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, poli
         fully_shard(experts, mesh=expert_dp_mesh, mp_policy=policy, reshard_after_forward=False)
 
 
+def expert_parameters(model_parts: list[ModelModule], plan: Plan) -> list[torch.Tensor]:
+    """The parameters that expert parallelism splits (none when ep=1)."""
+    if plan.mesh_spec.ep == 1:
+        return []
+    return [p for part in model_parts for name, p in part.named_parameters() if plan.is_expert(part.specs[name].axes)]
+
+
 @torch.no_grad()
-def rescale_expert_grads_(model_parts: list[ModelModule], plan: Plan, tp_group=None) -> None:
+def rescale_expert_grads_(expert_params: list[torch.Tensor], plan: Plan, tp_group=None) -> None:
     """FSDP averages expert gradients over the edp x dp_replicate ranks that hold the same
     experts, but each already sums the tokens of the whole ep group (the all-to-all backward
     brings them home): divide by ep once more so they average over every data/context rank like
     all other gradients. (A gradient divide factor in FSDP would do the same on NCCL, but needs a
     PREMUL_SUM reduction that gloo lacks.)"""
-    if plan.mesh_spec.ep == 1:
+    grads = [p.grad.to_local() for p in expert_params if p.grad is not None]
+    if not grads:
         return
-    grads = [p.grad.to_local() for part in model_parts for name, p in part.named_parameters()
-             if p.grad is not None and plan.is_expert(part.specs[name].axes)]
     torch._foreach_mul_(grads, 1.0 / plan.mesh_spec.ep)
-    if plan.mesh_spec.tp > 1 and grads:
+    if plan.mesh_spec.tp > 1:
         # The tp ranks of one ep rank hold the same experts and saw different tokens.
         flat = torch.cat([g.flatten() for g in grads])
         dist.all_reduce(flat, group=tp_group)

@@ -20,6 +20,7 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
                 seed: int, compute_dtype: torch.dtype, recompute_mode: str = "none",
                 compile_blocks: bool = False, async_tp: bool = False,
                 cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None,
+                fp8_linear=None, fp8_layers: frozenset[str] = frozenset(),
                 ) -> tuple[ModelModule, ParallelContext]:
     ctx = ParallelContext(plan, mesh, cp_method, expert_mesh)
     if async_tp:
@@ -37,6 +38,8 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
 
     model = ModelModule(layers, make_param, ctx)
     for block in model.blocks.values():
+        if fp8_linear is not None and block.layer_name in fp8_layers:
+            block.ctx = ctx.with_fp8(fp8_linear)
         block.forward_fn = recompute.wrap(block.forward_fn, recompute_mode)
         if compile_blocks:
             block.forward_fn = torch.compile(block.forward_fn)

@@ -1,0 +1,54 @@
+"""FP8 matmuls through torchao: emulated on CPU (the same casts, high-precision GEMMs), native
+FP8 GEMMs on Hopper GPUs (marked gpu)."""
+
+import pytest
+import torch
+
+from dtrain.run import main
+from parallel.precision import Float8Linear
+from tests.launch import train_scalars
+
+BF16 = ["--precision", "bf16"]
+
+
+@pytest.mark.slow
+def test_fp8_tracks_bf16_loss(tmp_path):
+    bf16 = train_scalars(tmp_path / "bf16", BF16)["train/loss"]
+    fp8 = train_scalars(tmp_path / "fp8", [*BF16, "--fp8", "tensorwise"])["train/loss"]
+    assert fp8 != bf16, "the FP8 run computed exactly the bf16 losses: FP8 was not used"
+    for step, (a, e) in enumerate(zip(fp8, bf16), 1):
+        assert abs(a - e) <= 0.05 * e, f"step {step}: fp8 loss {a} vs bf16 {e}"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_fp8_linear_matches_matmul_within_fp8_error(recipe):
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    out = Float8Linear(recipe, emulate=True)(x, w)
+    reference = x @ w.t()
+    # e4m3 keeps 3 mantissa bits: a few percent of relative error, never exact.
+    relative = (out - reference).norm() / reference.norm()
+    assert 1e-4 < relative.item() < 0.1, relative
+    out.backward(torch.ones_like(out))
+    assert x.grad is not None and w.grad is not None and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--fp8", "tensorwise", "--precision", "fp32"], "use --precision bf16"),
+    (["--fp8", "tensorwise", "--model-overrides", "dim=72,ffn_dim=200"], "multiple of 16"),
+    (["--fp8", "tensorwise", "--fp8-backend", "te"], "--fp8-backend te"),
+])
+def test_bad_fp8_settings(extra, message, capsys):
+    assert main(["--model", "tiny", *extra, "--print-plan"]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_fp8_step_on_gpu_is_close_to_bf16():
+    torch.manual_seed(0)
+    x = torch.randn(8, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) * 0.02
+    out = Float8Linear("tensorwise", emulate=False)(x, w)
+    reference = x @ w.t()
+    assert ((out.float() - reference.float()).norm() / reference.float().norm()).item() < 0.05
