@@ -17,6 +17,7 @@ CASES = [
     (["--mesh", "pp=2", "--pp-schedule", "zb", "--pp-virtual-stages", "2"], 2),
     (["--mesh", "pp=2,tp=2", "--sequence-parallel"], 4),
     (["--mesh", "dp=2,pp=2"], 4),
+    (["--mesh", "cp=2,pp=2", "--cp-comm", "ring"], 4),
 ]
 
 
