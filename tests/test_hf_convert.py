@@ -1,5 +1,5 @@
-"""Hugging Face interop: dtrain on imported weights gives transformers' logits and loss; HF ->
-dtrain checkpoint -> HF is bit-exact; --init-from-hf trains from such weights on a tp mesh."""
+"""Hugging Face interop (Llama and Mixtral): dtrain on imported weights gives transformers' logits
+and loss; HF -> dtrain checkpoint -> HF is bit-exact; --init-from-hf trains from such weights."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dtrain import hf
-from models import llama, spec
+from models import families, llama, mixtral, spec
+from models.config import PRESETS
 from models.context import LocalContext
 from models.errors import UserError
 from models.layers import rms_norm
@@ -62,9 +63,9 @@ def test_imported_weights_give_transformers_logits_and_loss(tmp_path, tie, rope)
 def _dtrain_logits(params, tokens, cfg):
     """The layers' forward functions up to the head, then the head's norm and output matmul."""
     tree, ctx = spec.unflatten(params), LocalContext()
-    aux = llama.make_aux(cfg, torch.arange(tokens.shape[1]))
+    aux = families.make_aux(cfg, torch.arange(tokens.shape[1]))
     x = tokens
-    for layer in llama.layers(cfg)[:-1]:
+    for layer in families.layers(cfg)[:-1]:
         x = layer.forward(llama._lookup(tree, layer.name), x, aux, ctx)
     output = tree["head"].get("output", tree["embed"]["weight"])
     return ctx.linear(rms_norm(x, tree["head"]["norm"], cfg.norm_eps), output)
@@ -142,13 +143,169 @@ def test_broken_hf_directories_are_clear_errors(tmp_path):
     (tmp_path / "sharded" / sorted(set(index["weight_map"].values()))[-1]).unlink()
     with pytest.raises(UserError, match=r"shard model-.*safetensors named in model.safetensors.index.json is missing"):
         hf.HFCheckpoint(tmp_path / "sharded")
-    make_hf_model(tmp_path / "moe")
-    config = json.loads((tmp_path / "moe" / "config.json").read_text())
-    (tmp_path / "moe" / "config.json").write_text(json.dumps({**config, "model_type": "mixtral"}))
-    with pytest.raises(UserError, match="model_type 'mixtral' is not supported"):
-        hf.HFCheckpoint(tmp_path / "moe")
+    make_hf_model(tmp_path / "other")
+    config = json.loads((tmp_path / "other" / "config.json").read_text())
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
+    with pytest.raises(UserError, match="model_type 'qwen3' is not supported; dtrain imports 'llama' and 'mixtral'"):
+        hf.HFCheckpoint(tmp_path / "other")
+    # Llama weights under a Mixtral config.json.
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 4,
+                                                                 "num_experts_per_tok": 2}))
+    with pytest.raises(UserError, match=r"unexpected tensor model\.layers\.0\.mlp\.\w+_proj\.weight; it is not part of "
+                                        r"a Mixtral model"):
+        hf.HFCheckpoint(tmp_path / "other")
     make_hf_model(tmp_path / "fewer", num_hidden_layers=2)
     config = json.loads((tmp_path / "fewer" / "config.json").read_text())
     (tmp_path / "fewer" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(UserError, match=r"lacks model.layers.2.input_layernorm.weight \(9 missing"):
         hf.HFCheckpoint(tmp_path / "fewer")
+
+
+# ---- Mixtral -------------------------------------------------------------------------------------
+
+# The `tiny-moe` preset's shape, so the CLI's --model tiny-moe takes these weights.
+TINY_MOE = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, rope_theta=10000.0)
+
+
+def make_hf_mixtral(path: Path, *, tie: bool = False, rope: dict | None = None, rope_theta: float = 1e6,
+                    dtype=torch.float32, fused: bool = False, max_shard_size: str | None = None,
+                    **shape) -> "transformers.MixtralForCausalLM":
+    """A random small Mixtral saved with save_pretrained: the hub's per-expert tensors, or with `fused`
+    transformers 5's in-memory layout (gate_up_proj). Random norms; a router with larger weights than
+    HF's init, so that routing is far from uniform and a wrong expert order changes the output."""
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5,
+              max_position_embeddings=256, tie_word_embeddings=tie, router_aux_loss_coef=0.02)
+    kw.update(shape)
+    kw["rope_parameters"] = {"rope_theta": kw.pop("rope_theta", rope_theta), **(rope or {"rope_type": "default"})}
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    model = model.to(dtype)
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **extra, **({"save_original_format": False} if fused else {}))
+    return model
+
+
+def _safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / hf.INDEX_FILE
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {hf.SINGLE_FILE}
+    return {k: v for f in files for k, v in load_file(path / f).items()}
+
+
+@pytest.mark.parametrize("fused,tie,rope", [(False, False, None), (True, True, LLAMA3_ROPE)],
+                         ids=["hub-layout", "fused-layout-tied-llama3-rope"])
+def test_imported_mixtral_gives_transformers_logits_and_loss(tmp_path, fused, tie, rope):
+    model = make_hf_mixtral(tmp_path, fused=fused, tie=tie, rope=rope)
+    names = _safetensors(tmp_path).keys()
+    assert any("gate_up_proj" in n for n in names) == fused and any(".experts.3.w2." in n for n in names) != fused
+    cfg, params = hf_convert.load_hf_params(tmp_path)
+    assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn_dim, cfg.aux_loss_coef) == (4, 2, 96, 0.02)
+    assert cfg.score_func == "softmax" and cfg.route_norm and cfg.num_shared_experts == 0 and cfg.capacity_factor is None
+    assert cfg.tie_embeddings == tie and (cfg.rope_scaling is not None) == (rope is not None)
+    assert params["blocks.1.moe.experts.w_gate"].shape == (4, 96, 64) and params["blocks.1.moe.experts.w_down"].shape == (4, 64, 96)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=tokens, labels=tokens)
+        labels = torch.cat([tokens[:, 1:], torch.full((2, 1), -100)], dim=1)
+        loss_sum = mixtral.forward(spec.unflatten(params), tokens, labels, cfg, LocalContext())
+        logits = _dtrain_logits(params, tokens, cfg)
+    torch.testing.assert_close(logits, expected.logits, rtol=1e-5, atol=1e-5)
+    n_tokens = tokens.numel() - tokens.shape[0]
+    torch.testing.assert_close(loss_sum, expected.loss * n_tokens, rtol=1e-5, atol=1e-5)
+
+
+def test_mixtral_round_trip_is_bit_exact_and_exports_the_hub_layout(tmp_path):
+    source = tmp_path / "hf"
+    make_hf_mixtral(source, dtype=torch.bfloat16, max_shard_size="40KB")
+    assert (source / hf.INDEX_FILE).is_file()
+    hf_convert.import_hf(source, tmp_path / "run" / "checkpoints" / "step_000000")
+    out = hf_convert.export_hf(tmp_path / "run", tmp_path / "exported", max_shard_bytes=50_000)
+    assert (out / hf.INDEX_FILE).is_file()
+    # The fused layout of the same model exports to the same per-expert tensors.
+    make_hf_mixtral(tmp_path / "fused", dtype=torch.bfloat16, fused=True)
+    hf_convert.import_hf(tmp_path / "fused", tmp_path / "run2" / "step_000000")
+    out2 = hf_convert.export_hf(tmp_path / "run2", tmp_path / "exported2")
+    before = _safetensors(source)
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in before
+    for after in (_safetensors(out), _safetensors(out2)):
+        assert before.keys() == after.keys()
+        for name in before:
+            assert before[name].dtype == after[name].dtype == torch.bfloat16, name
+            assert torch.equal(before[name].view(torch.int16), after[name].view(torch.int16)), name
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["num_local_experts"], config["router_aux_loss_coef"]) == ("mixtral", 4, 0.02)
+    original, reloaded = (transformers.MixtralForCausalLM.from_pretrained(p).eval() for p in (source, out))
+    tokens = torch.randint(0, 128, (1, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=tokens).logits, original(input_ids=tokens).logits, rtol=0, atol=0)
+
+
+def test_broken_mixtral_directories_and_unexportable_models_are_one_line_errors(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    make_hf_mixtral(tmp_path / "hf")
+    file = tmp_path / "hf" / hf.SINGLE_FILE
+    tensors = load_file(file)
+    missing = tensors.pop("model.layers.1.block_sparse_moe.experts.2.w3.weight")
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"lacks model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight \(1 missing, "
+                                        r"0 unexpected tensors\); the checkpoint does not match its config.json") as info:
+        hf.HFCheckpoint(tmp_path / "hf")
+    assert "\n" not in str(info.value)
+    save_file({**tensors, "model.layers.1.block_sparse_moe.experts.2.w3.weight": missing[:, :48].contiguous()}, file)
+    with pytest.raises(UserError, match=r"experts\.2\.w3\.weight has shape \[96, 48\] but config.json implies \[96, 64\]"):
+        hf_convert.load_hf_params(tmp_path / "hf")
+    config_path = tmp_path / "hf" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "num_local_experts": 3}))
+    with pytest.raises(UserError, match=r"has model\.layers\.0\.block_sparse_moe\.experts\.3\.w1\.weight, which its "
+                                        r"config.json does not account for \(0 missing, 6 unexpected"):
+        hf.HFCheckpoint(tmp_path / "hf")
+    config_path.write_text(json.dumps({**config, "sliding_window": 4096}))
+    with pytest.raises(UserError, match="sliding_window=4096, but dtrain's attention has no sliding window"):
+        hf.HFCheckpoint(tmp_path / "hf")
+    # A Mixtral checkpoint for a Llama run names the fix.
+    hf_cfg = hf.config_from_hf(config, "HF")
+    with pytest.raises(UserError, match="HF is a Mixtral checkpoint but --model tiny is not; choose a Mixtral"):
+        hf.check_matches(hf_cfg, PRESETS["tiny"], "tiny", "HF")
+    # Export of an MoE model HF has no equivalent of fails before any tensor is read.
+    make_hf_mixtral(tmp_path / "ok")
+    checkpoint = hf_convert.import_hf(tmp_path / "ok", tmp_path / "run" / "step_000000")
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["model"].update(num_shared_experts=1, score_func="sigmoid")
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()  # transformers' progress bars
+    assert hf_convert.main(["export", str(checkpoint), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf_convert: error: this MoE model has no Hugging Face equivalent: num_shared_experts=1 "
+                          "(Mixtral has no shared experts); score_func='sigmoid'") and "\n" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_init_from_hf_trains_mixtral_from_the_hf_loss(tmp_path):
+    """--model tiny-moe with its own aux-loss coefficient and a selection bias (which HF has not:
+    it starts at zero) takes the weights; the loss before the first update is transformers'."""
+    from dtrain import data as data_lib
+
+    source = tmp_path / "hf"
+    model = make_hf_mixtral(source, **TINY_MOE)
+    dataset = data_lib.TokenDataset("bundled", None, 64, 2048, 0)
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for inputs, labels in dataset.micro_batches(0, 8, 2, 0, 1):
+            logits = model(input_ids=inputs).logits
+            loss_sum += torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").item()
+            tokens += labels.numel()
+    expected = loss_sum / tokens
+    run = train_scalars(tmp_path / "run", ["--model", "tiny-moe", "--model-overrides", "bias_update_rate=0.001",
+                                           "--steps", "1", "--init-from-hf", str(source)])
+    assert abs(run["train/loss"][0] - expected) <= 1e-5 * expected, (run["train/loss"], expected)

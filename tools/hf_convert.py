@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints <-> dtrain checkpoints.
+"""Hugging Face Llama and Mixtral checkpoints <-> dtrain checkpoints.
 
     python -m tools.hf_convert import HF_DIR RUN_DIR/checkpoints/step_000000
     python -m tools.hf_convert export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype bf16]
@@ -6,8 +6,9 @@
 `import` writes a weights-only dtrain checkpoint at step 0 (AdamW has no state before its first
 step, so nothing is lost): `--resume` from it on any mesh, and each rank reads only its shards,
 which `--init-from-hf` (every rank reads every full tensor) cannot do for the largest models.
-`export` writes safetensors (sharded above --max-shard-gb, with an index) and config.json. A round
-trip HF -> dtrain -> HF with the source's dtype gives the same tensors bit for bit.
+`export` writes safetensors (sharded above --max-shard-gb, with an index) and config.json; Mixtral
+experts in the hub's layout, one tensor per expert. A round trip HF -> dtrain -> HF with the
+source's dtype gives the same tensors bit for bit.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from dtrain import checkpoint as ckpt
 from dtrain import hf
-from models.config import LlamaConfig, RopeScaling
+from models.config import LlamaConfig, MoEConfig, RopeScaling
 from models.errors import UserError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,7 +41,7 @@ def _one_process():
         yield
 
 
-def load_hf_params(hf_dir: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def load_hf_params(hf_dir: str | Path) -> tuple[LlamaConfig | MoEConfig, dict[str, torch.Tensor]]:
     """The model config and every parameter (dtrain names, the checkpoint's dtype) of an HF checkpoint."""
     source = hf.HFCheckpoint(hf_dir)
     return source.config, source.load_all()
@@ -68,23 +69,25 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
-def _model_config(shape: dict[str, Any]) -> LlamaConfig:
+def _model_config(shape: dict[str, Any]) -> LlamaConfig | MoEConfig:
     shape = dict(shape)
     if shape.get("rope_scaling") is not None:
         shape["rope_scaling"] = RopeScaling(**shape["rope_scaling"])
+    kind = MoEConfig if "num_experts" in shape else LlamaConfig
     try:
-        return LlamaConfig(**shape)
+        return kind(**shape)
     except TypeError:
-        raise UserError(f"a checkpoint of model shape {sorted(shape)} is not a Llama; only Llama "
-                        f"checkpoints are exported") from None
+        raise UserError(f"a checkpoint of model shape {sorted(shape)} is neither a Llama nor an MoE model; "
+                        f"it cannot be exported") from None
 
 
-def read_dtrain_params(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """Full parameter tensors of a dtrain checkpoint (or of the latest one of a run directory),
-    read in this one process whatever mesh wrote them."""
+def _find_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], LlamaConfig | MoEConfig]:
     found = ckpt.resolve_resume(str(path), Path(path))
     meta = ckpt.read_meta(found)
-    cfg = _model_config(meta["model"])
+    return found, meta, _model_config(meta["model"])
+
+
+def _load_params(found: Path, cfg: LlamaConfig | MoEConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     expected = hf.param_shapes(cfg)
     meta, _ = ckpt.check_checkpoint(found, cfg, expected)
     metadata = FileSystemReader(str(found)).read_metadata()
@@ -92,14 +95,24 @@ def read_dtrain_params(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.T
                        for name, shape in expected.items()}}
     with _one_process():
         dcp.load(state, checkpoint_id=str(found), no_dist=True)
-    return cfg, state["model"], meta
+    return state["model"], meta
+
+
+def read_dtrain_params(path: str | Path) -> tuple[LlamaConfig | MoEConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Full parameter tensors of a dtrain checkpoint (or of the latest one of a run directory),
+    read in this one process whatever mesh wrote them."""
+    found, _, cfg = _find_checkpoint(path)
+    params, meta = _load_params(found, cfg)
+    return cfg, params, meta
 
 
 def export_hf(path: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
               max_shard_bytes: int = 5 * 2**30) -> Path:
     """Writes a dtrain checkpoint as an HF checkpoint; by default in the dtype it was imported
     from (fp32 for a model trained from scratch)."""
-    cfg, params, meta = read_dtrain_params(path)
+    found, meta, cfg = _find_checkpoint(path)
+    hf.config_to_hf(cfg, torch.float32, meta.get("hf_config"))  # a model HF has no equivalent of fails before the read
+    params, meta = _load_params(found, cfg)
     if dtype is None:
         dtype = DTYPES.get({"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
             meta.get("hf_dtype", "float32"), "fp32"))
