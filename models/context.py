@@ -35,6 +35,10 @@ class ModelContext(Protocol):
         """`fn(params, x)` for a computation that treats each token on its own (MoE routing and
         experts), on the tokens this rank owns; same layout out as `x` came in."""
 
+    def sum_over_token_shards(self, t: torch.Tensor) -> torch.Tensor:
+        """Sums a statistic (no gradient) over the ranks holding other tokens of the same samples,
+        so that per-sample statistics (the experts' load) are those of one device."""
+
     def experts(self, x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                 w_down: torch.Tensor) -> torch.Tensor:
         """SwiGLU experts over rows grouped by expert: x [rows, embed] holds counts[e] rows for
@@ -126,6 +130,9 @@ class LocalContext:
 
     def per_token(self, fn, params, x):
         return fn(params, x)
+
+    def sum_over_token_shards(self, t):
+        return t
 
     def cross_entropy_sum(self, logits, labels):
         return F.cross_entropy(

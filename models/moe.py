@@ -65,12 +65,13 @@ def route(x_TD: torch.Tensor, router: torch.Tensor, cfg: MoEConfig,
 def load_balancing_loss(routing: Routing, load: torch.Tensor, score_func: str) -> torch.Tensor:
     """Switch/GShard: num_experts * sum_e f_e * P_e, f_e the fraction of slots routed to e, P_e the
     mean router probability of e. Equals 1 when both are uniform; only P carries a gradient."""
-    num_tokens, num_experts = routing.scores.shape
+    num_experts = routing.scores.shape[1]
     probs = routing.scores
     if score_func == "sigmoid":
         # Sigmoid scores are not a distribution; normalise per token as DeepSeek-V3 does.
         probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-20)
-    fraction = load.float() / (num_tokens * routing.expert_ids.shape[1])
+    # `load` may count the slots of the whole sample when its tokens are split over ranks.
+    fraction = load.float() / load.sum().clamp_min(1)
     return num_experts * (fraction * probs.mean(0)).sum()
 
 
@@ -205,7 +206,7 @@ def moe_forward(p: dict, x: torch.Tensor, cfg: MoEConfig, ctx: ModelContext, *, 
     num_tokens = x_TD.shape[0]
     routing = route(x_TD, p["router"], cfg, p.get("router_bias"))
     dispatched = dispatch(routing, cfg.num_experts, expert_capacity(cfg, num_tokens))
-    aux_loss = load_balancing_loss(routing, dispatched.load, cfg.score_func)
+    aux_loss = load_balancing_loss(routing, ctx.sum_over_token_shards(dispatched.load), cfg.score_func)
     z_loss = router_z_loss(routing)
 
     experts = p["experts"]

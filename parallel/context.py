@@ -6,6 +6,7 @@ import contextlib
 import copy
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,6 +38,8 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         self.cp_method = cp_method
         self.ep_group = expert_mesh.get_group("ep") if expert_mesh is not None else None
         self.fp8_linear = None
+        # Ranks holding other tokens of the same samples: cp always, tp inside `per_token`.
+        self.token_shard_groups = [mesh.get_group(dim) for dim in ("cp", "tp") if getattr(plan.mesh_spec, dim) > 1]
 
     def with_fp8(self, fp8_linear) -> ParallelContext:
         """The same context with its matmuls in FP8 (given to the blocks that use it)."""
@@ -128,6 +131,11 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         local_x = x.redistribute(mesh, by_sequence).to_local()
         local_params = tree_map_only(DTensor, lambda t: self._whole_for_local_tokens(t, mesh), params)
         return DTensor.from_local(fn(local_params, local_x), mesh, by_sequence, run_check=False)
+
+    def sum_over_token_shards(self, t):
+        for group in self.token_shard_groups:
+            t = funcol.all_reduce(t, "sum", group)
+        return t
 
     @staticmethod
     def _whole_for_local_tokens(weight: DTensor, mesh: DeviceMesh) -> torch.Tensor:

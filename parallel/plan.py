@@ -66,15 +66,27 @@ def resolve(axes: tuple[str | None, ...], rules: Rules, mesh_dims: tuple[str, ..
     return tuple(placements)
 
 
+# Parameters are split by rules over the model-parallel axes only: the data axes (and cp, whose
+# ranks hold other tokens of the same samples) shard them through FSDP. Activations are split by
+# rules over tp only; over cp each rank holds its own load-balanced tokens.
+RULE_MESH_AXES = {"parameter": ("tp", "ep"), "activation": ("tp",)}
+
+
 def _check_rules(rules: Rules, known_axes: tuple[str, ...], what: str) -> None:
     for axis, mapped in rules.items():
         if axis not in known_axes:
             raise UserError(f"unknown logical axis {axis!r} in the {what} rules; known: {', '.join(known_axes)}")
         mapped = (mapped,) if isinstance(mapped, str) else (mapped or ())
+        allowed = RULE_MESH_AXES["parameter" if what == "parameter" else "activation"]
         for mesh_axis in mapped:
             if mesh_axis not in (*MESH_DIMS, "ep"):
                 raise UserError(
                     f"the plan maps {axis!r} to unknown mesh axis {mesh_axis!r}; use one of {', '.join(MESH_DIMS)}"
+                )
+            if mesh_axis not in allowed:
+                raise UserError(
+                    f"the {what} rules map {axis!r} to {mesh_axis!r}; they may use only {', '.join(allowed)} "
+                    f"(data and context axes split parameters through FSDP, and activations by the data layout)"
                 )
         if list(mapped) != sorted(mapped, key=lambda m: (*MESH_DIMS, "ep").index(m)):
             raise UserError(f"the plan maps {axis!r} to {mapped}: list mesh axes outermost first ({', '.join(MESH_DIMS)})")

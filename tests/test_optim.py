@@ -97,6 +97,7 @@ def _tiny_model():
     layers = llama.layers(get_model_config("tiny"))
     specs = {f"{layer.name}.{path}": s for layer in layers for path, s in spec.flatten(layer.params)}
     model = _module_from_tree(spec.unflatten({name: torch.randn(s.shape) for name, s in specs.items()}))
+    model.specs = specs  # what build_optimizer reads from each model part
     return model, specs
 
 
@@ -105,7 +106,7 @@ def test_build_optimizer_weight_decay_groups():
     names = {id(p): name for name, p in model.named_parameters()}
     assert set(names.values()) == set(specs)
     args = OptimArgs(lr=1e-3, weight_decay=0.05, beta1=0.8, beta2=0.9, eps=1e-7)
-    optimizer = build_optimizer(model, specs, args)
+    optimizer = build_optimizer([model], args)
     assert len(optimizer.param_groups) == 2
     groups = {g["weight_decay"]: {names[id(p)] for p in g["params"]} for g in optimizer.param_groups}
     assert set(groups) == {0.05, 0.0}
@@ -126,7 +127,8 @@ def test_build_optimizer_weight_decay_groups():
 
 def test_build_optimizer_all_no_decay_has_one_group():
     model = _module_from_tree({"norm": torch.ones(4)})
-    optimizer = build_optimizer(model, {"norm": spec.ones((4,), ("embed",))}, OptimArgs())
+    model.specs = {"norm": spec.ones((4,), ("embed",))}
+    optimizer = build_optimizer([model], OptimArgs())
     assert len(optimizer.param_groups) == 1
     assert optimizer.param_groups[0]["weight_decay"] == 0.0
 
@@ -134,7 +136,7 @@ def test_build_optimizer_all_no_decay_has_one_group():
 def test_scheduler_applies_multiplier():
     model, specs = _tiny_model()
     args = OptimArgs(lr=2e-3, warmup_steps=4, decay="linear", min_lr_ratio=0.5)
-    optimizer = build_optimizer(model, specs, args)
+    optimizer = build_optimizer([model], args)
     scheduler = build_scheduler(optimizer, 8, args)
     seen = []
     for _ in range(9):
@@ -144,3 +146,12 @@ def test_scheduler_applies_multiplier():
     expected = [2e-3 * lr_multiplier(s, 8, args) for s in range(9)]
     assert seen == pytest.approx(expected, rel=1e-12)
     assert seen[-1] == pytest.approx(1e-3, rel=1e-12)
+
+
+def test_non_trainable_parameters_get_no_optimizer_state():
+    model = _module_from_tree({"w": torch.randn(4, 4), "bias": torch.zeros(4)})
+    model.bias.requires_grad_(False)
+    model.specs = {"w": spec.normal((4, 4), ("embed", "embed"), 0.02),
+                   "bias": spec.ParamSpec((4,), ("router",), "normal", 0.0, trainable=False)}
+    optimizer = build_optimizer([model], OptimArgs())
+    assert [p for g in optimizer.param_groups for p in g["params"]] == [model.w]

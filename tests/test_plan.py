@@ -88,14 +88,16 @@ def test_param_placements_fsdp_tp():
     assert plan.param_placements(("embed",)) == (R,)
 
 
-def test_tuple_rule_through_plan():
-    plan = _plan("dp=2,cp=2,tp=2", 8).with_rules(params={"mlp": ("cp", "tp")})
-    assert plan.param_mesh_dims == ("cp", "tp")
-    assert plan.param_placements(("mlp", "embed")) == (Shard(0), Shard(0))
-    assert plan.param_placements(("heads", "embed")) == (R, Shard(0))
-    # 14336 / (cp 2 x tp 2) = 3584 then / dp_shard 2 = 1792.
+def test_rules_split_only_over_model_parallel_axes():
+    plan = _plan("dp=2,cp=2,tp=2", 8)
+    with pytest.raises(UserError, match="may use only tp, ep"):
+        plan.with_rules(params={"mlp": ("cp", "tp")})
+    with pytest.raises(UserError, match="may use only tp"):
+        plan.with_rules(activations={"residual": {"seq": ("cp", "tp")}})
+    # FSDP shards dim 0 over dp_shard x cp = 4, after tp's split: 14336 / 2 / 4 = 1792.
     assert plan.local_shape((14336, 4096), ("mlp", "embed")) == (1792, 4096)
-    assert plan.local_shape((4096, 14336), ("embed", "mlp")) == (2048, 3584)
+    assert plan.local_shape((4096, 14336), ("embed", "mlp")) == (1024, 7168)
+    assert plan.full_placements(("mlp", "embed")) == {"dp_shard": "S(0)", "cp": "S(0)", "tp": "S(0)"}
 
 
 def test_with_rules_mlp_none_replicates_mlp():
@@ -155,9 +157,9 @@ def test_with_rules_errors(kwargs, must_name):
     assert must_name in str(info.value)
 
 
-def test_tuple_in_mesh_order_is_accepted():
-    plan = _plan("dp=2,cp=2,tp=2", 8).with_rules(activations={"residual": {"seq": ("cp", "tp")}})
-    assert plan.activation_placements(("batch", "seq", "embed"), "residual") == (Shard(1), Shard(1))
+def test_sequence_parallel_rule():
+    plan = _plan("dp=2,cp=2,tp=2", 8).with_rules(activations={"residual": {"seq": "tp"}})
+    assert plan.activation_placements(("batch", "seq", "embed"), "residual") == (Shard(1),)
 
 
 def test_two_dims_on_one_mesh_axis_through_plan():
