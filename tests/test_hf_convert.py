@@ -48,12 +48,17 @@ def test_imported_weights_give_transformers_logits_and_loss(tmp_path, tie, rope)
     cfg, params = hf_convert.load_hf_params(tmp_path)
     assert cfg.tie_embeddings == tie and (cfg.rope_scaling is not None) == (rope is not None)
     assert ("head.output" in params) != tie
+    _assert_matches_transformers(model, params, cfg, llama.forward)
+
+
+def _assert_matches_transformers(model, params, cfg, forward) -> None:
+    """dtrain's logits and summed loss on the imported weights equal transformers' (fp32)."""
     tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(input_ids=tokens, labels=tokens)
         # dtrain's labels are already the next tokens; HF shifts inside. The last position has none.
         labels = torch.cat([tokens[:, 1:], torch.full((2, 1), -100)], dim=1)
-        loss_sum = llama.forward(spec.unflatten(params), tokens, labels, cfg, LocalContext())
+        loss_sum = forward(spec.unflatten(params), tokens, labels, cfg, LocalContext())
         logits = _dtrain_logits(params, tokens, cfg)
     torch.testing.assert_close(logits, expected.logits, rtol=1e-5, atol=1e-5)
     n_tokens = tokens.numel() - tokens.shape[0]
@@ -212,15 +217,7 @@ def test_imported_mixtral_gives_transformers_logits_and_loss(tmp_path, fused, ti
     assert cfg.score_func == "softmax" and cfg.route_norm and cfg.num_shared_experts == 0 and cfg.capacity_factor is None
     assert cfg.tie_embeddings == tie and (cfg.rope_scaling is not None) == (rope is not None)
     assert params["blocks.1.moe.experts.w_gate"].shape == (4, 96, 64) and params["blocks.1.moe.experts.w_down"].shape == (4, 64, 96)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = model(input_ids=tokens, labels=tokens)
-        labels = torch.cat([tokens[:, 1:], torch.full((2, 1), -100)], dim=1)
-        loss_sum = mixtral.forward(spec.unflatten(params), tokens, labels, cfg, LocalContext())
-        logits = _dtrain_logits(params, tokens, cfg)
-    torch.testing.assert_close(logits, expected.logits, rtol=1e-5, atol=1e-5)
-    n_tokens = tokens.numel() - tokens.shape[0]
-    torch.testing.assert_close(loss_sum, expected.loss * n_tokens, rtol=1e-5, atol=1e-5)
+    _assert_matches_transformers(model, params, cfg, mixtral.forward)
 
 
 def test_mixtral_round_trip_is_bit_exact_and_exports_the_hub_layout(tmp_path):
