@@ -45,7 +45,8 @@ class DataArgs:
     tokenizer: str | None = _field(None, "a local Hugging Face tokenizer.json (default: the bundled one)")
     seq_len: int = _field(256, "tokens per sample")
     micro_batch: int = _field(4, "samples per micro-batch on each data-parallel rank")
-    global_batch: int = _field(16, "samples per optimizer step over all data-parallel ranks")
+    global_batch: int | None = _field(None, "samples per optimizer step over all data-parallel ranks "
+                                            "(default: one micro-batch per data-parallel rank)")
     split: str = _field("969,30,1", "indexed data (--data PREFIX or \"0.7 PREFIX_A 0.3 PREFIX_B\"): "
                                     "train,validation,test shares of each dataset's documents")
     data_cache_dir: str | None = _field(None, "where indexed data's sample indices are cached; unset: a "
@@ -111,6 +112,10 @@ class Config:
 GROUPS = {f.name: f.type for f in attrs.fields(Config)}
 
 
+# Fields that may be left unset take the type of their value on the command line.
+_OPTIONAL = {str | None: str, int | None: int}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -137,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
             if field.type is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
-                kwargs["type"] = str if field.type == (str | None) else field.type
+                kwargs["type"] = _OPTIONAL.get(field.type, field.type)
                 kwargs["choices"] = field.metadata["choices"]
                 kwargs["metavar"] = field.name.upper()
                 if field.metadata.get("const") is not None:
@@ -184,7 +189,7 @@ def load_config(argv: list[str] | None = None) -> Config:
 
 def _check_type(group_cls: type, key: str, value: Any, source: str) -> None:
     field = attrs.fields_dict(group_cls)[key]
-    expected = {str | None: (str,), float: (int, float)}.get(field.type, (field.type,))
+    expected = {str | None: (str,), int | None: (int,), float: (int, float)}.get(field.type, (field.type,))
     if isinstance(value, bool) and field.type is not bool or not isinstance(value, expected):
         raise UserError(f"--config {source}: {key} = {value!r} should be of type {field.type.__name__ if isinstance(field.type, type) else 'str'}")
 

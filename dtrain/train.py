@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import torch
 
 from dtrain import data as data_lib
@@ -92,10 +93,19 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     return mesh_spec, model_cfg
 
 
+def with_global_batch(config: Config, world_size: int) -> Config:
+    """`--global-batch` unset means one micro-batch per data-parallel rank."""
+    if config.data.global_batch is not None:
+        return config
+    dp_size = MeshSpec.parse(config.parallel.mesh, world_size).dp_size
+    return attrs.evolve(config, data=attrs.evolve(config.data, global_batch=config.data.micro_batch * dp_size))
+
+
 def print_plan(config: Config) -> None:
     """The plan for the mesh as given; without torchrun the world is what the mesh names."""
     world_size = distributed.world_size_from_env() if distributed.launched_by_torchrun() else None
     mesh_spec = MeshSpec.parse(config.parallel.mesh, world_size)
+    config = with_global_batch(config, mesh_spec.world_size)
     _, model_cfg = validate(config, mesh_spec.world_size)
     plan = build_plan(config, mesh_spec, model_cfg)
     print(plan.describe(families.layers(model_cfg)))
@@ -110,6 +120,7 @@ def train(config: Config, before_step=None) -> list[dict[str, float]]:
     """Runs the configured training; returns every step's scalars (the loss on every rank)."""
     from dtrain.trainer import Trainer
 
+    config = with_global_batch(config, distributed.world_size_from_env())
     validate(config, distributed.world_size_from_env())
     runtime = distributed.init_process_group()
     try:

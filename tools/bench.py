@@ -77,17 +77,12 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
     import torch
 
     from dtrain.config import load_config
-    from dtrain.train import train
-    from parallel.mesh import MeshSpec
+    from dtrain.train import train, with_global_batch
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     argv = [*SHAPES[shape], "--data", "synthetic", "--steps", str(steps), "--warmup-steps", "2", "--lr", "3e-4",
             "--run-dir", f"runs/bench-{shape}"]
-    config = load_config(argv + extra)
-    # Unless given, one micro-batch per data-parallel rank per step.
-    if "--global-batch" not in extra:
-        dp = MeshSpec.parse(config.parallel.mesh, world_size).dp_size
-        config = load_config(argv + extra + ["--global-batch", str(config.data.micro_batch * dp)])
+    config = with_global_batch(load_config(argv + extra), world_size)
     history = train(config, before_step=Profiler(profile_dir, warmup))
     if int(os.environ.get("RANK", "0")) != 0:
         return None
