@@ -41,7 +41,8 @@ class ParallelArgs:
 
 @attrs.frozen
 class DataArgs:
-    data: str = _field("bundled", "'bundled' (the corpus shipped with dtrain), 'synthetic', or a text file")
+    data: str = _field("bundled", "'bundled' (the corpus shipped with dtrain), 'synthetic', a text file, a "
+                                  "Megatron indexed PREFIX (PREFIX.bin/.idx), or a blend '0.7 PREFIX_A 0.3 PREFIX_B'")
     tokenizer: str | None = _field(None, "a local Hugging Face tokenizer.json (default: the bundled one)")
     seq_len: int = _field(256, "tokens per sample")
     micro_batch: int = _field(4, "samples per micro-batch on each data-parallel rank")
