@@ -175,6 +175,8 @@ class Plan:
             if edp > 1:
                 layout["edp"] = "S(0)"
             layout["ep"] = _short(self.expert_placements(axes)[0])
+            if self.mesh_spec.tp > 1:
+                layout["tp"] = "R"  # every tp rank runs the experts on its own share of the tokens
             return layout
         layout = dict(zip(self.param_mesh_dims, map(_short, self.param_placements(axes))))
         for dim in self._active((*self.data_parallel_axes, "cp")):
