@@ -110,13 +110,11 @@ def _tiny_hf(path: Path) -> "transformers.LlamaForCausalLM":
                          num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
 
 
-@pytest.mark.slow
-def test_init_from_hf_on_tp2_and_resume_from_an_import_give_the_hf_loss(tmp_path):
+def _first_step_loss(model) -> float:
+    """transformers' mean loss on step 0's global batch of the CLI's tiny run (bundled data,
+    seq 64, global batch 8): what dtrain logs at step 1, before the first update."""
     from dtrain import data as data_lib
 
-    source = tmp_path / "hf"
-    model = _tiny_hf(source)
-    # The loss logged at step 1 is that of the weights before the first update, on step 0's batch.
     dataset = data_lib.TokenDataset("bundled", None, 64, 2048, 0)
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():
@@ -124,7 +122,15 @@ def test_init_from_hf_on_tp2_and_resume_from_an_import_give_the_hf_loss(tmp_path
             logits = model(input_ids=inputs).logits
             loss_sum += torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").item()
             tokens += labels.numel()
-    expected = loss_sum / tokens
+    return loss_sum / tokens
+
+
+@pytest.mark.slow
+def test_init_from_hf_on_tp2_and_resume_from_an_import_give_the_hf_loss(tmp_path):
+    source = tmp_path / "hf"
+    model = _tiny_hf(source)
+    # The loss logged at step 1 is that of the weights before the first update, on step 0's batch.
+    expected = _first_step_loss(model)
     tp = train_scalars(tmp_path / "tp", ["--mesh", "tp=2", "--steps", "1", "--init-from-hf", str(source)], nproc=2)
     assert abs(tp["train/loss"][0] - expected) <= 1e-5 * expected, (tp["train/loss"], expected)
     imported = hf_convert.import_hf(source, tmp_path / "imported" / "step_000000")
@@ -291,18 +297,9 @@ def test_broken_mixtral_directories_and_unexportable_models_are_one_line_errors(
 def test_init_from_hf_trains_mixtral_from_the_hf_loss(tmp_path):
     """--model tiny-moe with its own aux-loss coefficient and a selection bias (which HF has not:
     it starts at zero) takes the weights; the loss before the first update is transformers'."""
-    from dtrain import data as data_lib
-
     source = tmp_path / "hf"
     model = make_hf_mixtral(source, **TINY_MOE)
-    dataset = data_lib.TokenDataset("bundled", None, 64, 2048, 0)
-    loss_sum, tokens = 0.0, 0
-    with torch.no_grad():
-        for inputs, labels in dataset.micro_batches(0, 8, 2, 0, 1):
-            logits = model(input_ids=inputs).logits
-            loss_sum += torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").item()
-            tokens += labels.numel()
-    expected = loss_sum / tokens
+    expected = _first_step_loss(model)
     run = train_scalars(tmp_path / "run", ["--model", "tiny-moe", "--model-overrides", "bias_update_rate=0.001",
                                            "--steps", "1", "--init-from-hf", str(source)])
     assert abs(run["train/loss"][0] - expected) <= 1e-5 * expected, (run["train/loss"], expected)
