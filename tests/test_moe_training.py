@@ -57,3 +57,15 @@ def test_print_plan_shows_expert_placements(capsys):
     row = next(line for line in out.splitlines() if line.startswith("blocks.0.moe.experts.w_gate"))
     # [8 experts, 128, 64]: 4 experts per ep rank, then FSDP halves dim 0 again over edp=2.
     assert row.split()[1:] == ["expert,expert_mlp,embed", "edp:S(0)", "ep:S(0)", "8x128x64", "2x128x64"]
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoint_resumes_on_one_process(tmp_path):
+    extra = ["--model", "tiny-moe"]
+    straight = train_scalars(tmp_path / "ep", [*extra, "--mesh", "dp=2,ep=2", "--checkpoint-every", "5"], nproc=2)
+    checkpoint = tmp_path / "ep" / "checkpoints" / "step_000005"
+    resumed = train_scalars(tmp_path / "single", [*extra, "--resume", str(checkpoint)])
+    # The resumed run logs steps 6-10 only; experts split over ep=2 are gathered back into one rank.
+    assert len(resumed["train/loss"]) == 5
+    for step, (a, e) in enumerate(zip(resumed["train/loss"], straight["train/loss"][5:]), 6):
+        assert abs(a - e) <= RTOL * abs(e), f"step {step}: resumed on one process {a} vs ep=2 {e}"
