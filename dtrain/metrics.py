@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import sys
@@ -36,6 +37,23 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 1e9
     kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kilobytes * (1 if sys.platform != "darwin" else 1 / 1024) / 1e6
+
+
+@contextlib.contextmanager
+def log_file(path: Path, enabled: bool):
+    """Copies dtrain's log lines into `path` (the run directory's train.log) while open."""
+    if not enabled:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
 
 
 class MetricsLogger:

@@ -10,11 +10,11 @@ from models.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout,
-    )
+    # Console lines from rank 0; other ranks report only warnings and errors.
+    level = logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stdout)
+    logging.getLogger("dtrain").setLevel(level)
     from dtrain.config import load_config
     from dtrain.train import print_plan, train
 

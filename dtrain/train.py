@@ -10,6 +10,7 @@ import torch
 from dtrain import data as data_lib
 from dtrain import distributed
 from dtrain.config import Config
+from dtrain.metrics import log_file
 from models import families
 from models.config import LlamaConfig, MoEConfig, get_model_config
 from models.errors import UserError
@@ -140,6 +141,7 @@ def train(config: Config, before_step=None) -> list[dict[str, float]]:
     validate(config, distributed.world_size_from_env())
     runtime = distributed.init_process_group()
     try:
-        return Trainer(config, runtime).fit(before_step)
+        with log_file(Path(config.train.run_dir) / "train.log", runtime.is_main):
+            return Trainer(config, runtime).fit(before_step)
     finally:
         distributed.shutdown()

@@ -52,3 +52,11 @@ def test_print_plan_shows_placements_without_a_world(capsys):
     row = next(line for line in out.splitlines() if line.startswith("blocks.0.mlp.w_down"))
     # [4096, 14336]: tp splits the input dim (14336 / 2), FSDP dim 0 over dp_shard (4096 / 4).
     assert row.split()[1:] == ["embed,mlp", "dp_shard:S(0)", "tp:S(1)", "4096x14336", "1024x7168"]
+
+
+def test_run_dir_holds_config_log_and_tensorboard(tmp_path):
+    assert main([*TINY_ARGS, "--steps", "2", "--run-dir", str(tmp_path)]) == 0
+    assert 'model = "tiny"' in (tmp_path / "config.toml").read_text()
+    log = (tmp_path / "train.log").read_text()
+    assert "step 2/2 | loss" in log and "mesh single" in log
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
