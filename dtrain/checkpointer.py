@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtrain import checkpoint as ckpt
 from dtrain.config import to_toml
 from models.errors import UserError
+from parallel.parallelize import copy_full_
 
 if TYPE_CHECKING:
     from dtrain.trainer import Trainer
@@ -100,16 +100,13 @@ class Checkpointer:
         source = hf.HFCheckpoint(hf_path)
         hf.check_matches(source.config, tr.model_cfg, tr.config.model.model, hf_path)
         for name, param in self.model.named_parameters():
-            if name.endswith(".moe.router_bias") and name not in source.shapes: continue  # none in HF: stays 0
+            if name.endswith(".moe.router_bias") and name not in source.shapes:
+                continue  # none in HF: stays 0
             full = source.tensor(name).to(param.device, torch.float32)
             if tuple(full.shape) != tuple(param.shape):
                 raise UserError(f"--init-from-hf {hf_path}: {name} has shape {list(full.shape)}, the model "
                                 f"needs {list(param.shape)}")
-            if isinstance(param, DTensor):
-                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(local.to_local())
-            else:
-                param.copy_(full)
+            copy_full_(param, full)
         logger.info("initialised from Hugging Face checkpoint %s in %s", hf_path, ckpt.elapsed(start))
 
     def start(self) -> None:

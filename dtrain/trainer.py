@@ -25,7 +25,7 @@ from parallel import context_parallel, pipeline, precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_
 from parallel.gradients import clip_grads_
 from parallel.mesh import build_device_mesh, build_expert_mesh
-from parallel.parallelize import parallelize
+from parallel.parallelize import add_full_, parallelize
 
 logger = logging.getLogger("dtrain")
 
@@ -230,7 +230,7 @@ class Trainer:
         rate = self.model_cfg.bias_update_rate
         if rate > 0:
             for part in self.model_parts:
-                moe.update_expert_bias(dict(part.named_parameters()), self.router_stats, rate)
+                moe.update_expert_bias(dict(part.named_parameters()), self.router_stats, rate, add_full_)
         scalars = self.router_stats.scalars()
         self.router_stats.reset()
         return scalars

@@ -256,18 +256,15 @@ def moe_params(cfg: MoEConfig, std: float, out_std: float) -> dict[str, Any]:
     return params
 
 
-def update_expert_bias(params: dict[str, Any], stats: RouterStats, rate: float) -> None:
+def update_expert_bias(params: dict[str, Any], stats: RouterStats, rate: float, add_=torch.Tensor.add_) -> None:
     """Auxiliary-loss-free balancing (DeepSeek-V3), after the optimizer step: each MoE layer's
     `router_bias` moves by `rate` towards balance, down for experts above the mean load and up
     for those below. `params` is the model's tree (nested, or flat with dotted names such as
-    `blocks.3.moe.router_bias`); `stats` should already be summed over the data-parallel ranks."""
+    `blocks.3.moe.router_bias`); `stats` should already be summed over the data-parallel ranks.
+    `add_(bias, delta)` applies a full-shaped delta (the parallel backend passes one for shards)."""
     if any("." in key for key in params):
         params = spec.unflatten(params)
     with torch.no_grad():
         for layer, load in stats.load.items():
             bias = params["blocks"][str(layer)]["moe"]["router_bias"]
-            delta = (rate * torch.sign(load.mean() - load)).to(bias.device, bias.dtype)
-            if hasattr(bias, "device_mesh"):  # a DTensor: add this rank's part of the same delta
-                from torch.distributed.tensor import distribute_tensor
-                delta = distribute_tensor(delta, bias.device_mesh, bias.placements, src_data_rank=None)
-            bias.add_(delta)
+            add_(bias, (rate * torch.sign(load.mean() - load)).to(bias.device, bias.dtype))

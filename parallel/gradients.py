@@ -28,7 +28,7 @@ def _sharded_dims(grad: torch.Tensor) -> tuple[tuple[int, ...], DeviceMesh | Non
 
 def global_grad_norm(params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The L2 norm of all gradients as if they were one unsharded vector (fp32, on device)."""
-    squares: dict = defaultdict(list)
+    grads: dict = defaultdict(list)
     meshes: dict = {}
     for param in params:
         if param.grad is None:
@@ -36,11 +36,11 @@ def global_grad_norm(params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup
         dims, mesh = _sharded_dims(param.grad)
         key = (id(mesh), dims)
         meshes[key] = mesh
-        local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        squares[key].append(local.float().pow(2).sum())
+        grads[key].append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
     total = None
-    for key, parts in squares.items():
-        partial = torch.stack(parts).sum()
+    for key, locals_ in grads.items():
+        # One fused kernel for the norms of all shards of a group.
+        partial = torch.stack(torch._foreach_norm(locals_)).float().pow(2).sum()
         mesh = meshes[key]
         for dim in key[1]:
             dist.all_reduce(partial, group=mesh.get_group(dim))

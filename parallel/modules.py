@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from models import spec
 from models.context import ModelContext
+from models.llama import RESIDUAL
 
 MakeParam = Callable[[str, spec.ParamSpec], nn.Parameter]
 
@@ -66,9 +67,6 @@ class LayerModule(nn.Module):
 
     def forward(self, x: torch.Tensor, aux: Any) -> torch.Tensor:
         return self.forward_fn(self.param_tree(), x, aux, self.ctx)
-
-
-RESIDUAL = ("batch", "seq", "embed")
 
 
 class ModelModule(nn.Module):

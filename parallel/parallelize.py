@@ -62,9 +62,26 @@ def enable_async_tp(mesh: DeviceMesh) -> None:
 def init_parameters(model: ModelModule, seed: int) -> None:
     """Each rank draws the full value of each parameter and keeps its own shard of it."""
     for name, param in model.named_parameters():
-        full = spec.init_value(model.specs[name], seed, name, device=param.device)
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(local.to_local())
-        else:
-            param.copy_(full)
+        copy_full_(param, spec.init_value(model.specs[name], seed, name, device=param.device))
+
+
+def _local_part(param: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's storage of `param` and the matching part of `full`, a value of its global shape."""
+    if not isinstance(param, DTensor):
+        return param, full
+    shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return param.to_local(), shard.to_local()
+
+
+@torch.no_grad()
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Sets a (possibly sharded) parameter from its full value; no communication."""
+    local, part = _local_part(param, full)
+    local.copy_(part)
+
+
+@torch.no_grad()
+def add_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Adds a full-shaped value to a (possibly sharded) parameter; no communication."""
+    local, part = _local_part(param, full)
+    local.add_(part)
