@@ -124,20 +124,24 @@ class Checkpointer:
 
     # ---- step boundaries ------------------------------------------------------------------
 
-    def after_step(self, step: int) -> bool:
-        """Commits a finished background save, saves when due; True when the run must stop."""
+    def after_step(self, step: int, before_save=lambda: None) -> bool:
+        """Commits a finished background save, saves when due (calling `before_save()` first: the
+        trainer checks the step's loss there, so a diverged state is never saved); True when the
+        run must stop."""
         total = self.trainer.config.train.steps
         stop, busy = ckpt.all_ranks_max([int(self.stop_signal is not None),
                                          int(self.pending is not None and not self.pending.future.done())])
         if self.pending is not None and not busy:
             self._commit_pending()
         if stop:
+            before_save()
             path = self.save(step, wait=True)
             name = signal.Signals(self.stop_signal).name if self.stop_signal else "a stop signal on another rank"
             logger.info("received %s: saved %s at step %d/%d and stopped; continue with --resume",
                         name, path, step, total)
             return True
         if self.every and step % self.every == 0 and step < total:
+            before_save()
             self.save(step)
         return False
 

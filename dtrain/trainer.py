@@ -84,6 +84,7 @@ class Trainer:
         self.rope_aux = families.make_aux(self.model_cfg, positions.to(runtime.device), loss_scale=self.loss_scale)
         self.router_stats = getattr(self.rope_aux, "router_stats", None)
         self.peak_flops = peak_flops(runtime.device)
+        self._last_read_back = 0.0
         self.flops_per_token = flops.flops_per_token(self.model_cfg, d.seq_len)
         self.metrics = MetricsLogger(self.run_dir, runtime.is_main, self.peak_flops, runtime.device,
                                      start_step=self.step)
@@ -148,6 +149,8 @@ class Trainer:
 
     def _local(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of full-sequence rows: its load-balanced chunks when cp > 1."""
+        if self.runtime.device.type == "cuda" and tokens.device.type == "cpu":
+            tokens = tokens.pin_memory()  # a pageable copy would wait for the queued kernels
         tokens = tokens.to(self.runtime.device, non_blocking=True)
         if self.mesh_spec.cp == 1:
             return tokens
@@ -188,9 +191,12 @@ class Trainer:
             self.router_stats.reset()  # evaluation routing is not training statistics
         return loss_sum.item() / (num_steps * d.global_batch * d.seq_len)
 
-    def train_step(self) -> dict[str, float]:
+    def launch_step(self) -> "LaunchedStep":
+        """Queues one whole step (forward, backward, clipping, update) on the device and returns
+        without waiting for it: its loss and norms are read back later (`_read_back`), while the
+        device already runs the next step."""
         d = self.config.data
-        start = time.perf_counter()
+        launched_at = time.perf_counter()
         micro_batches = self.dataset.micro_batches(
             self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size
         )
@@ -203,58 +209,98 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for group in self.loss_groups:
             dist.all_reduce(loss_sum, group=group)
-        router_scalars = self._after_moe_step()
-        loss = loss_sum.item() / self.global_tokens
-        elapsed = time.perf_counter() - start
+        router_stats = self._after_moe_step()
         self.step += 1
+        return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats)
+
+    def _read_back(self, launched: "LaunchedStep") -> dict[str, float]:
+        """The scalars of a launched step (waits for it). Its time runs from the previous step's
+        read-back, or from its own launch if later (after an evaluation or a save), so in steady
+        state it is the device's time per step."""
+        loss = launched.loss_sum.item() / self.global_tokens
+        now = time.perf_counter()
+        elapsed = now - max(self._last_read_back, launched.launched_at)
+        self._last_read_back = now
         if not math.isfinite(loss):
-            raise UserError(f"the loss is {loss} at step {self.step}; lower --lr or check the data")
+            raise UserError(f"the loss is {loss} at step {launched.step}; lower --lr or check the data")
         tokens_per_sec_per_gpu = self.global_tokens / elapsed / self.runtime.world_size
         scalars = {
-            "train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm.item(),
+            "train/loss": loss, "train/lr": launched.lr, "train/grad_norm": launched.grad_norm.item(),
             "perf/tokens_per_sec_per_gpu": tokens_per_sec_per_gpu,
             "mem/peak_gb": peak_memory_gb(self.runtime.device),
         }
-        scalars.update(router_scalars)
+        if launched.router_stats is not None:
+            scalars.update(launched.router_stats.scalars())
         if self.peak_flops is not None:
             scalars["perf/mfu"] = 100.0 * self.flops_per_token * tokens_per_sec_per_gpu / self.peak_flops
         return scalars
 
-    def _after_moe_step(self) -> dict[str, float]:
-        """Router statistics summed over the data-parallel ranks; the aux-loss-free bias update."""
+    def _after_moe_step(self) -> moe.RouterStats | None:
+        """Router statistics summed over the data-parallel ranks (one all-reduce for all layers);
+        the aux-loss-free bias update. Returns the step's statistics, to read back later."""
         if self.router_stats is None:
-            return {}
-        for group in self.router_stat_groups:
-            for tensor in self.router_stats.tensors():
-                dist.all_reduce(tensor, group=group)
+            return None
+        tensors = self.router_stats.tensors()
+        if self.router_stat_groups and tensors:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            for group in self.router_stat_groups:
+                dist.all_reduce(flat, group=group)
+            for tensor, summed in zip(tensors, flat.split([t.numel() for t in tensors])):
+                tensor.copy_(summed.view_as(tensor))
         rate = self.model_cfg.bias_update_rate
         if rate > 0:
             for part in self.model_parts:
                 moe.update_expert_bias(dict(part.named_parameters()), self.router_stats, rate, add_full_)
-        scalars = self.router_stats.scalars()
-        self.router_stats.reset()
-        return scalars
+        return self.router_stats.take()
 
     def fit(self, before_step=None) -> list[dict[str, float]]:
         """Steps until `--steps`; returns every step's scalars. `before_step(step)` is called
-        before each step (benchmarks use it to start and stop the profiler)."""
+        before each step (benchmarks use it to start and stop the profiler).
+
+        Step s+1 is queued before step s is read back, so reading the loss never leaves the device
+        idle. A step is read back at once where its loss matters before going on: before an
+        evaluation, a checkpoint save, and at the end."""
         total, history = self.config.train.steps, []
+        unread: list[LaunchedStep] = []
+
+        def read_back_all(evaluate: bool = False) -> None:
+            while unread:
+                launched = unread.pop(0)
+                scalars = self._read_back(launched)
+                if evaluate and not unread:
+                    scalars["val/loss"] = self.evaluate()
+                history.append(scalars)
+                console = launched.step % self.config.train.log_every == 0 or launched.step == total
+                self.metrics.log(launched.step, total, scalars, console=console)
+
         self.checkpointer.start()
         try:
             while self.step < total:
                 if before_step is not None:
                     before_step(self.step)
-                scalars = self.train_step()
-                history.append(scalars)
+                launched = self.launch_step()
+                read_back_all()
+                unread.append(launched)
                 every = self.config.train.eval_every
-                if every and (self.step % every == 0 or self.step == total):
-                    scalars["val/loss"] = self.evaluate()
-                console = self.step % self.config.train.log_every == 0 or self.step == total
-                self.metrics.log(self.step, total, scalars, console=console)
-                if self.checkpointer.after_step(self.step):
+                if self.step == total or (every and self.step % every == 0):
+                    read_back_all(evaluate=bool(every))
+                if self.checkpointer.after_step(self.step, before_save=read_back_all):
                     break  # preempted: saved, and every rank stops here
+            read_back_all()
             self.checkpointer.finish(self.step)
         finally:
             self.checkpointer.close()
             self.metrics.close()
         return history
+
+
+@attrs.frozen
+class LaunchedStep:
+    """A step queued on the device: its results stay device tensors until read back."""
+
+    step: int  # the number of updates done once it completes
+    launched_at: float
+    loss_sum: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    router_stats: moe.RouterStats | None

@@ -164,6 +164,13 @@ class RouterStats:
         self.load.clear()
         self.totals.clear()
 
+    def take(self) -> RouterStats:
+        """This step's statistics in a new object, to read later; this one starts the next step empty."""
+        taken = RouterStats()
+        taken.load, taken.totals = self.load, self.totals
+        self.load, self.totals = {}, {}
+        return taken
+
     def scalars(self) -> dict[str, float]:
         """Log lines: mean router losses, dropped fraction and load imbalance (max / mean expert
         load: 1 is perfect balance, num_experts / top_k is everything on top_k experts)."""
