@@ -43,6 +43,10 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
         block.forward_fn = recompute.wrap(block.forward_fn, recompute_mode)
         if compile_blocks:
             block.forward_fn = torch.compile(block.forward_fn)
+    if compile_blocks and model.head is not None:
+        # Final norm, output projection and loss in one graph: the cross-entropy over the vocab
+        # fuses into a few passes instead of materialising fp32 logits.
+        model.head.forward_fn = torch.compile(model.head.forward_fn)
     data_parallel.apply_fsdp(model, mesh, plan, compute_dtype=compute_dtype, expert_mesh=expert_mesh)
     model.to_empty(device=device)
     init_parameters(model, seed)
