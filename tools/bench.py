@@ -7,6 +7,12 @@ Throughput is the median over the steps after `--warmup` (compilation excluded);
 BENCHMARKS.md. Arguments after `--` go to dtrain's own CLI (`python -m dtrain.run --help`).
 `--table FILE` renders the JSON lines of FILE as a markdown table instead, and with
 `--readme README.md` writes it between the README's benchmark markers.
+
+`--bubble FILE` measures pipeline bubbles from the JSON lines of FILE: two runs of the same
+pipelined setup with m and 2m micro-batches per step give the time of one micro-batch,
+t = (T(2m) - T(m)) / m, and the bubble of the m-run is 1 - m*t / T(m) (everything that does not
+grow with the micro-batches: fill and drain, and the optimizer step). It is shown beside the
+schedule's ideal, (p-1)/(m+p-1), or (p-1)/(v*m+p-1) with v stages per rank.
 """
 
 from __future__ import annotations
@@ -122,6 +128,42 @@ def table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def _option(args: list[str], flag: str, default: str) -> str:
+    return args[args.index(flag) + 1] if flag in args else default
+
+
+def bubbles(path: Path) -> str:
+    """The measured and ideal pipeline bubble of every pair of runs that differ only in the
+    number of micro-batches per step (m and 2m)."""
+    from parallel.mesh import MeshSpec
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    runs = {}
+    for r in rows:
+        spec = MeshSpec.parse(r["mesh"] if r["mesh"] != "single" else "", r["gpus"])
+        if spec.pp == 1:
+            continue
+        args = [a for a in r["args"] if a != "--global-batch" and a != str(r["global_batch"])]
+        m = r["global_batch"] // (r["micro_batch"] * spec.dp_size)
+        runs[(r["shape"], r["mesh"], r["micro_batch"], " ".join(args), m)] = (r, spec)
+    lines = ["| shape | mesh | schedule | stages/rank | micro-batches m | step time (m) | step time (2m) | "
+             "measured bubble | ideal bubble |", "|---|---|---|---|---|---|---|---|---|"]
+    for (shape, mesh, _, args, m), (r, spec) in sorted(runs.items()):
+        double = runs.get((shape, mesh, r["micro_batch"], args, 2 * m))
+        if double is None:
+            continue
+        t_m, t_2m = r["median_step_s"], double[0]["median_step_s"]
+        per_micro_batch = (t_2m - t_m) / m
+        measured = 1 - m * per_micro_batch / t_m
+        schedule = _option(r["args"], "--pp-schedule", "1f1b")
+        v = int(_option(r["args"], "--pp-virtual-stages", "1"))
+        p = spec.pp
+        ideal = (p - 1) / (v * m + p - 1)
+        lines.append(f"| {shape} | {mesh} | {schedule} | {v} | {m} | {t_m:.3f} s | {t_2m:.3f} s | "
+                     f"{100 * measured:.1f}% | {100 * ideal:.1f}% |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra: list[str] = []
@@ -136,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="profile 3 steps after warm-up; write each rank's top kernels to DIR")
     parser.add_argument("--table", type=Path, help="print the markdown table of a JSON-lines file and exit")
+    parser.add_argument("--bubble", type=Path, metavar="FILE",
+                        help="print the measured pipeline bubbles of the runs in a JSON-lines file and exit")
     parser.add_argument("--readme", type=Path, help="with --table: write the table into this file between "
                         f"{README_BEGIN!r} and {README_END!r}")
     args = parser.parse_args(argv)
@@ -147,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             _, _, tail = rest.partition(README_END)
             args.readme.write_text(f"{head}{README_BEGIN}\n{rendered}\n{README_END}{tail}")
         print(rendered)
+        return 0
+    if args.bubble:
+        print(bubbles(args.bubble))
         return 0
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")

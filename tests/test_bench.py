@@ -1,0 +1,45 @@
+"""The benchmark tool: a CPU run prints one JSON line; the README table and pipeline bubbles are
+computed from such lines."""
+
+from __future__ import annotations
+
+import json
+
+from tests.launch import run_cli
+from tools import bench
+
+
+def test_cpu_run_prints_one_json_line(tmp_path):
+    result = run_cli(["--shape", "tiny", "--steps", "3", "--warmup", "1", "--",
+                      "--run-dir", str(tmp_path / "run"), "--precision", "fp32"], module="tools.bench")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1
+    row = json.loads(lines[0])
+    assert row["shape"] == "tiny" and row["tokens_per_sec_per_gpu"] > 0 and row["steps"] == 3
+    path = tmp_path / "results.jsonl"
+    path.write_text(lines[0] + "\n")
+    assert f"{row['tokens_per_sec_per_gpu']:,.0f}" in bench.table(path)
+
+
+def _pipelined_run(micro_batches: int, step_s: float, schedule: str) -> dict:
+    args = ["--compile", "--mesh", "pp=2", "--pp-schedule", schedule, "--micro-batch", "1",
+            "--global-batch", str(micro_batches)]
+    return {"shape": "llama-1b", "mesh": "pp=2", "gpus": 2, "micro_batch": 1, "global_batch": micro_batches,
+            "median_step_s": step_s, "args": args}
+
+
+def test_bubble_from_runs_at_m_and_2m_micro_batches(tmp_path):
+    # Step time = (m + p - 1) * t + fixed: the measured bubble must be everything but m * t.
+    t, fixed, p, m = 0.04, 0.013, 2, 8
+    def step_time(micro_batches):
+        return (micro_batches + p - 1) * t + fixed
+    rows = [_pipelined_run(m, step_time(m), "1f1b"), _pipelined_run(2 * m, step_time(2 * m), "1f1b"),
+            _pipelined_run(m, 0.5, "gpipe")]  # no 2m partner: left out
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    lines = bench.bubbles(path).splitlines()
+    assert len(lines) == 3
+    expected = 1 - m * t / step_time(m)
+    ideal = (p - 1) / (m + p - 1)
+    assert f"| {100 * expected:.1f}% | {100 * ideal:.1f}% |" in lines[2]
