@@ -81,6 +81,8 @@ class TrainArgs:
     fp8_backend: str = _field("torchao", "FP8 implementation", choices=("torchao", "te"))
     fp8_keep_ends: bool = _field(False, "keep the first and last blocks in bf16 under --fp8 (the output head "
                                         "always is)")
+    fp8_all_gather: bool = _field(True, "under --fp8 tensorwise with FSDP over CUDA GPUs and tp=1, all-gather the "
+                                        "FP8 blocks' matmul weights in float8 (half the bytes of bf16)")
     compile: bool = _field(False, "torch.compile each transformer block")
     recompute: str = _field("none", "activation recompute of blocks", choices=("none", "selective", "full"))
     run_dir: str = _field("runs/default", "directory for the resolved config, TensorBoard files and log")

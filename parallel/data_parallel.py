@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from parallel import precision
 from parallel.mesh import FSDP_SHARD_DIM
 from parallel.modules import ModelModule
 from parallel.plan import Plan
@@ -72,6 +73,9 @@ def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtyp
     # multiply the all-gathers, so blocks stay gathered between forward and backward.
     reshard = plan.mesh_spec.dp_shard * plan.mesh_spec.cp > 1 and plan.mesh_spec.pp == 1
     common = dict(mesh=dp_mesh, mp_policy=policy)
+    # Before fully_shard, which takes the all-gather hooks of the parameters it shards: with
+    # tensorwise FP8 the blocks' matmul weights are gathered in float8 (precision.py says when).
+    precision.wrap_for_float8_all_gather(model, plan.mesh_spec, dp_mesh.device_type)
     if expert_mesh is not None:
         _shard_experts(model, expert_mesh, plan, policy)
     for block in model.blocks.values():

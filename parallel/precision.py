@@ -1,15 +1,27 @@
 """Precision backends behind the model context's `linear`: the plain matmul in the compute dtype
 (bf16 or fp32), or FP8 through torchao (tensorwise, rowwise, rowwise_with_gw_hp) or Transformer
-Engine. torchao and Transformer Engine are imported only when chosen."""
+Engine. torchao and Transformer Engine are imported only when chosen.
+
+FP8 all-gather under FSDP (tensorwise only): the weights of the FP8 matmuls are wrapped in
+torchao's `WeightWithDynamicFloat8CastTensor` before `fully_shard`, so each rank casts its shard
+to float8 and FSDP all-gathers half the bytes of bf16; the matmul takes the gathered float8
+weight as it is. After each optimizer step `after_optimizer_step` computes the scales of all
+those weights with one all-reduce (without it, each weight's all-gather reduces its own amax)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
+import sys
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from models.errors import UserError
+from models.spec import ParamSpec
+from parallel.mesh import MeshSpec
 
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FP8_BACKENDS = ("torchao", "te")
@@ -41,7 +53,7 @@ class Float8Linear:
     to float8 per the recipe, the GEMMs run in FP8 with high-precision accumulation. `emulate`
     runs the same casts with high-precision matmuls, for machines without FP8 GEMMs (the CPU)."""
 
-    def __init__(self, recipe: str, emulate: bool):
+    def __init__(self, recipe: str, emulate: bool, float8_all_gather: bool = True):
         from torchao.float8 import Float8LinearConfig, LinearMMConfig, ScaledMMConfig
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
@@ -50,15 +62,134 @@ class Float8Linear:
         self.config = config
         self.mm_config = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, config.pad_inner_dim)
                                           for g in gemms))
+        # Asked for: FSDP gathers the weights in float8 where `float8_all_gather_blocker` allows.
+        self.float8_all_gather = float8_all_gather
         self._matmul = matmul_with_hp_or_float8_args
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # An all-gathered float8 weight (a Float8TrainingTensor) was cast by its shard's owner
+        # with the weight's scale; the matmul takes it as it is and casts only the bf16 ones.
         return self._matmul.apply(x, weight.t(), self.mm_config, self.config)
 
+    @property
+    def casts_weight_per_tensor(self) -> bool:
+        """One dynamic scale per weight, for both GEMMs that use it: then one float8 copy, cast
+        shard by shard with that scale, serves forward and backward. The rowwise recipes cast the
+        weight twice (per row for the output, per column for the input gradient), and torchao
+        gathers float8 for tensorwise scaling only."""
+        from torchao.float8.config import ScalingGranularity, ScalingType
 
-def fp8_linear(recipe: str | None, device: torch.device) -> Float8Linear | None:
+        cast = self.config.cast_config_weight
+        return cast.scaling_type is ScalingType.DYNAMIC and cast.scaling_granularity is ScalingGranularity.TENSORWISE
+
+    def enable_float8_all_gather(self) -> None:
+        self.config = dataclasses.replace(self.config, enable_fsdp_float8_all_gather=True)
+
+
+def fp8_linear(recipe: str | None, device: torch.device, float8_all_gather: bool = True) -> Float8Linear | None:
     if recipe is None:
         return None
     # FP8 GEMMs need Hopper-class GPUs (compute capability 8.9+); elsewhere the casts are emulated.
     native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-    return Float8Linear(recipe, emulate=not native)
+    return Float8Linear(recipe, emulate=not native, float8_all_gather=float8_all_gather)
+
+
+# The devices whose collectives move float8 tensors: NCCL does, gloo does not.
+FLOAT8_COLLECTIVE_DEVICES = ("cuda",)
+
+# The logical axes of the blocks' matmul weights (attention and MLP projections, shared experts).
+# Norms (1-D), the router ("router") and routed experts ("expert", 3-D) are not FP8 matmuls.
+_MATMUL_WEIGHT_AXES = frozenset({"embed", "heads", "kv_heads", "mlp"})
+
+
+def is_fp8_matmul_weight(axes: tuple[str, ...]) -> bool:
+    """A weight that a block passes to the context's `linear` (so to Float8Linear in FP8 blocks)."""
+    return len(axes) == 2 and set(axes) <= _MATMUL_WEIGHT_AXES
+
+
+def float8_all_gather_blocker(fp8_linear: Float8Linear, mesh_spec: MeshSpec, device_type: str) -> str | None:
+    """Why FSDP must all-gather the FP8 blocks' weights in bf16, or None when float8 is allowed.
+
+    bf16 stays for: the rowwise recipes (a weight cast per row and again per column has no one
+    float8 copy to gather), tensor parallelism (a tp-split weight is a DTensor, and dtrain's TP
+    matmuls do not go through torchao's float8 TP styles), one FSDP shard (nothing to gather),
+    and devices whose collectives cannot move float8 (gloo on CPU)."""
+    if not fp8_linear.float8_all_gather:
+        return "turned off (--no-fp8-all-gather)"
+    if not fp8_linear.casts_weight_per_tensor:
+        return "the recipe scales weights per row"
+    if mesh_spec.tp > 1:
+        return "tp splits the weights"
+    if mesh_spec.dp_shard * mesh_spec.cp == 1:
+        return "FSDP has one shard"
+    if device_type not in FLOAT8_COLLECTIVE_DEVICES:
+        return f"{device_type} collectives cannot move float8"
+    return None
+
+
+def float8_all_gather_weights(block: nn.Module, specs: dict[str, ParamSpec]) -> list[str]:
+    """Names (global, `blocks.3.attn.wq`) of a block's weights that FSDP may gather in float8."""
+    fp8 = getattr(block.ctx, "fp8_linear", None)
+    if fp8 is None:
+        return []
+    names = []
+    for name, param in block.named_parameters():
+        full = f"{block.layer_name}.{name}"
+        if is_fp8_matmul_weight(specs[full].axes) and not isinstance(param, DTensor):
+            names.append(full)
+    return names
+
+
+def wrap_for_float8_all_gather(model: nn.Module, mesh_spec: MeshSpec, device_type: str) -> list[str]:
+    """Before `fully_shard`: wraps the FP8 blocks' matmul weights so that FSDP all-gathers them
+    in float8, when `float8_all_gather_blocker` allows it. Returns the wrapped names."""
+    fp8_linears = {id(b.ctx.fp8_linear): b.ctx.fp8_linear for b in model.blocks.values()
+                   if getattr(b.ctx, "fp8_linear", None) is not None}
+    if not fp8_linears or any(float8_all_gather_blocker(f, mesh_spec, device_type) for f in fp8_linears.values()):
+        return []
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    for fp8 in fp8_linears.values():
+        fp8.enable_float8_all_gather()
+    wrapped = []
+    for block in model.blocks.values():
+        fp8 = getattr(block.ctx, "fp8_linear", None)
+        for full in float8_all_gather_weights(block, model.specs):
+            owner_name, _, leaf = full[len(block.layer_name) + 1:].rpartition(".")
+            owner = block.get_submodule(owner_name)
+            param = getattr(owner, leaf)
+            weight = WeightWithDynamicFloat8CastTensor(param.data, fp8.mm_config,
+                                                       fp8.config.cast_config_weight.target_dtype)
+            setattr(owner, leaf, nn.Parameter(weight, requires_grad=param.requires_grad))
+            wrapped.append(full)
+    return wrapped
+
+
+def _float8_all_gather_params(model_parts) -> list[DTensor]:
+    # No torchao float8 import, no wrapped weights: a cheap no-op for every other run.
+    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")
+    if fsdp_utils is None:
+        return []
+    wrapper = fsdp_utils.WeightWithDynamicFloat8CastTensor
+    return [p for part in model_parts for p in part.parameters()
+            if isinstance(p, DTensor) and isinstance(p._local_tensor, wrapper)]
+
+
+@torch.no_grad()
+def after_optimizer_step(model_parts) -> None:
+    """The float8 scales of every weight FSDP gathers in float8, from its updated values, with
+    one all-reduce; used by the next all-gathers (forward, and backward's re-gather). The same
+    computation as torchao's `precompute_float8_dynamic_scale_for_fsdp`, which finds weights
+    only on its own Float8Linear modules. A no-op when no weight is gathered in float8."""
+    from_float8 = _float8_all_gather_params(model_parts)
+    if not from_float8:
+        return
+    from torchao.float8.float8_utils import EPS
+
+    (target_dtype,) = {p._local_tensor._dtype for p in from_float8}
+    amax = torch.stack(torch._foreach_norm(from_float8, ord=math.inf))  # Partial over the shards
+    amax = torch.clamp(amax, EPS)  # the one all-reduce: Partial -> Replicate
+    # float64 as torchao does, so eager and compiled scales agree.
+    scales = (torch.finfo(target_dtype).max / amax.to(torch.float64)).to_local().to(torch.float32)
+    for param, scale in zip(from_float8, scales):
+        param._local_tensor._precomputed_scale = scale
