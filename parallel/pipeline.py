@@ -38,6 +38,8 @@ SCHEDULES = {
 }
 SINGLE_STAGE = ("gpipe", "1f1b")
 V_SHAPED = ("zbv",)
+# Backward in two passes, input gradients then weight gradients, over a retained graph.
+SPLIT_BACKWARD = ("zb", "zbv")
 
 
 def validate_schedule(schedule: str, pp: int, virtual: int, num_microbatches: int, num_blocks: int,
@@ -128,6 +130,10 @@ def build_schedule(stage_modules, stage_indices: list[int], num_stages: int, sch
     stages = [PipelineStage(module, index, num_stages, device, group=group)
               for module, index in zip(stage_modules, stage_indices)]
     schedule_cls = SCHEDULES[schedule]
+    if schedule in SPLIT_BACKWARD:
+        # A compiled block's backward may not free ("donate") its saved buffers when the graph is
+        # retained for a second pass; without this the weight-gradient pass fails under --compile.
+        torch._functorch.config.donated_buffer = False
     # The loss function already scales each micro-batch's loss to the global batch.
     if schedule in SINGLE_STAGE:
         return schedule_cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
