@@ -101,7 +101,8 @@ class Trainer:
             parallelize, plan=self.plan, mesh=self.mesh, device=self.runtime.device, seed=t.seed,
             compute_dtype=COMPUTE_DTYPES[t.precision], recompute_mode=t.recompute,
             compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm, expert_mesh=self.expert_mesh,
-            fp8_linear=precision.fp8_linear(t.fp8, self.runtime.device), fp8_layers=self._fp8_layers(),
+            fp8_linear=precision.fp8_linear(t.fp8, self.runtime.device, float8_all_gather=t.fp8_all_gather),
+            fp8_layers=self._fp8_layers(),
         )
         if self.mesh_spec.pp == 1:
             model, ctx = build(layers)
@@ -205,6 +206,7 @@ class Trainer:
         grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        precision.after_optimizer_step(self.model_parts)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         for group in self.loss_groups:
@@ -282,6 +284,9 @@ class Trainer:
                 read_back_all()
                 unread.append(launched)
                 every = self.config.train.eval_every
+                # On the CPU the launch did the work: nothing overlaps, so read back at once.
+                if self.runtime.device.type == "cpu":
+                    read_back_all()
                 if self.step == total or (every and self.step % every == 0):
                     read_back_all(evaluate=bool(every))
                 if self.checkpointer.after_step(self.step, before_save=read_back_all):
