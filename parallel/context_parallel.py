@@ -5,15 +5,16 @@ Causal load balancing: the sequence is cut into 2*cp chunks and cp rank i holds 
 and all ranks do the same attention work. Three ways to attend over the whole sequence:
 
 - allgather: gather every rank's K/V, attend with per-chunk causal masks; backward reduce-scatters dK/dV.
-- ring: K/V blocks travel round the ring while the previous block is attended to; partial results
-  merge by log-sum-exp; in backward dK/dV travel round the ring with them back to their owner.
+- ring (parallel/ring_attention.py): K/V blocks travel round the ring while the previous block is
+  attended to; partial results merge by log-sum-exp; in backward dK/dV travel round the ring with them
+  back to their owner.
 - a2a (Ulysses): all-to-all from sequence shards to head shards, full causal attention, all-to-all back.
 
 torch's own `context_parallel()` only intercepts CUDA SDPA ops (TORCH-NOTES.md), hence this module: it
-runs on CPU with math attention (what the tests check) and on CUDA through SDPA limited to the cuDNN,
-flash and math kernels. The memory-efficient kernel is never allowed: it gives wrong dq/dk under
-load-balanced context parallelism. The ring needs each block's log-sum-exp, so its blocks are fp32
-math on every device for now; a cuDNN/flash block kernel would be its GPU fast path.
+runs on CPU (what the tests check) and on CUDA through SDPA limited to the cuDNN, flash and math
+kernels. The memory-efficient kernel is never allowed: it gives wrong dq/dk under load-balanced
+context parallelism. The ring calls the fused kernels that also return each block's log-sum-exp
+(cuDNN or flash on CUDA, the CPU flash kernel on CPU; fp32 math where none fits).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from models.errors import UserError
+from parallel.ring_attention import ring_attention
 
 CP_METHODS = ("allgather", "ring", "a2a")
 
@@ -150,165 +152,6 @@ def _a2a_attention(q, k, v, group, cp_size: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# ring: block attention with its log-sum-exp, in fp32. Layouts: q, out [batch, seq_q, heads, head_dim],
-# k, v [batch, seq_k, kv_heads, head_dim], lse and delta [batch, seq_q, heads]. The query heads of one
-# kv head are adjacent, as in SDPA's enable_gqa; scores are [batch, kv_heads, group, seq_q, seq_k].
-
-
-def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    batch, seq, heads, head_dim = q.shape
-    return q.float().view(batch, seq, kv_heads, heads // kv_heads, head_dim)
-
-
-def _per_query_to_scores(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[batch, seq_q, heads] -> [batch, kv_heads, group, seq_q, 1], broadcastable against scores."""
-    batch, seq, heads = x.shape
-    return x.view(batch, seq, kv_heads, heads // kv_heads).permute(0, 2, 3, 1).unsqueeze(-1)
-
-
-def _block_scores(q, k, causal: bool) -> torch.Tensor:
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", _grouped(q, k.shape[2]), k.float()) * q.shape[-1] ** -0.5
-    if causal:  # only square diagonal blocks are causal; their local order is the global order
-        future = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return scores
-
-
-def _block_attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = _block_scores(q, k, causal)
-    lse = scores.logsumexp(dim=-1, keepdim=True)
-    out = torch.einsum("bhgqk,bkhd->bqhgd", (scores - lse).exp(), v.float())
-    return out.flatten(2, 3), lse.squeeze(-1).permute(0, 3, 1, 2).flatten(2)
-
-
-def _block_attention_backward(q, k, v, grad_out, lse, delta, causal: bool):
-    """dq, dk, dv (fp32) of one block, given the final lse and delta = rowsum(grad_out * out) of the
-    whole attention: with them the block's probabilities are its true share of each row's softmax."""
-    kv_heads = k.shape[2]
-    probs = (_block_scores(q, k, causal) - _per_query_to_scores(lse, kv_heads)).exp()
-    grad_out = _grouped(grad_out, kv_heads)
-    grad_v = torch.einsum("bhgqk,bqhgd->bkhd", probs, grad_out)
-    grad_probs = torch.einsum("bqhgd,bkhd->bhgqk", grad_out, v.float())
-    grad_scores = probs * (grad_probs - _per_query_to_scores(delta, kv_heads)) * q.shape[-1] ** -0.5
-    grad_q = torch.einsum("bhgqk,bkhd->bqhgd", grad_scores, k.float()).flatten(2, 3)
-    grad_k = torch.einsum("bhgqk,bqhgd->bkhd", grad_scores, _grouped(q, kv_heads))
-    return grad_q, grad_k, grad_v
-
-
-def _merge_into(out, lse, block_out, block_lse) -> None:
-    """In place: combine two partial softmax results over disjoint keys by their log-sum-exps."""
-    merged_lse = torch.logaddexp(lse, block_lse)
-    out.mul_((lse - merged_lse).exp().unsqueeze(-1)).add_(block_out * (block_lse - merged_lse).exp().unsqueeze(-1))
-    lse.copy_(merged_lse)
-
-
-class _RingShift:
-    """Sends a tensor to the next rank of the ring and receives the previous rank's, asynchronously."""
-
-    def __init__(self, group):
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.group = group
-        self.next_rank = dist.get_global_rank(group, (rank + 1) % size)
-        self.previous_rank = dist.get_global_rank(group, (rank - 1) % size)
-
-    def start(self, tensor: torch.Tensor, tag: int):
-        received = torch.empty_like(tensor)
-        # Distinct tags keep K/V and dK/dV messages apart where both are in flight (gloo matches by tag).
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, tensor, self.next_rank, self.group, tag),
-            dist.P2POp(dist.irecv, received, self.previous_rank, self.group, tag),
-        ])
-        return works, received
-
-    @staticmethod
-    def finish(pending) -> torch.Tensor:
-        works, received = pending
-        for work in works:
-            work.wait()
-        return received
-
-
-_KV_TAG, _GRAD_KV_TAG = 0, 1
-
-
-class _RingAttention(torch.autograd.Function):
-    """At step s rank r holds the K/V of rank (r - s) mod cp. Against its own K/V a rank's queries are
-    plain causal (its two chunks are in global order); against an earlier rank's (source < r), all local
-    queries see only that rank's early chunk; against a later rank's, only the local late chunk sees
-    anything, and it sees both chunks. So after the diagonal every step is the same half-size block."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, group):
-        ring, rank, cp_size = _RingShift(group), dist.get_rank(group), dist.get_world_size(group)
-        half, kv_heads = q.shape[1] // 2, k.shape[2]
-        kv = torch.cat([k, v], dim=2).contiguous()
-        out = lse = None
-        for step in range(cp_size):
-            source = (rank - step) % cp_size
-            # Issue the next block's transfer before this block's attention so the two overlap.
-            pending = ring.start(kv, _KV_TAG) if step + 1 < cp_size else None
-            block_k, block_v = kv.split(kv_heads, dim=2)
-            if step == 0:
-                out, lse = _block_attention(q, block_k, block_v, causal=True)
-            elif source < rank:
-                _merge_into(out, lse, *_block_attention(q, block_k[:, :half], block_v[:, :half], causal=False))
-            else:
-                _merge_into(out[:, half:], lse[:, half:], *_block_attention(q[:, half:], block_k, block_v, causal=False))
-            if pending is not None:
-                kv = ring.finish(pending)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group = group
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring, rank, cp_size = _RingShift(ctx.group), dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        half, kv_heads = q.shape[1] // 2, k.shape[2]
-        grad_out = grad_out.float()
-        delta = (grad_out * out.float()).sum(-1)
-        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.cat([k, v], dim=2).contiguous()
-        pending_grad_kv = None
-        for step in range(cp_size):
-            source = (rank - step) % cp_size
-            pending_kv = ring.start(kv, _KV_TAG) if step + 1 < cp_size else None
-            block_k, block_v = kv.split(kv_heads, dim=2)
-            # fp32 so that the cp partial sums of dK/dV do not round on the way.
-            grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            grad_k, grad_v = grad_kv.split(kv_heads, dim=2)
-            if step == 0:
-                block = _block_attention_backward(q, block_k, block_v, grad_out, lse, delta, causal=True)
-                grad_q += block[0]
-                grad_k += block[1]
-                grad_v += block[2]
-            elif source < rank:
-                block = _block_attention_backward(
-                    q, block_k[:, :half], block_v[:, :half], grad_out, lse, delta, causal=False
-                )
-                grad_q += block[0]
-                grad_k[:, :half] += block[1]
-                grad_v[:, :half] += block[2]
-            else:
-                block = _block_attention_backward(
-                    q[:, half:], block_k, block_v, grad_out[:, half:], lse[:, half:], delta[:, half:], causal=False
-                )
-                grad_q[:, half:] += block[0]
-                grad_k += block[1]
-                grad_v += block[2]
-            # The dK/dV of this block's owner arrive from the previous rank, which held it a step ago;
-            # add ours and pass them on. After the last step the next send brings them home.
-            if pending_grad_kv is not None:
-                grad_kv += ring.finish(pending_grad_kv)
-            pending_grad_kv = ring.start(grad_kv, _GRAD_KV_TAG)
-            if pending_kv is not None:
-                kv = ring.finish(pending_kv)
-        grad_k, grad_v = ring.finish(pending_grad_kv).split(kv_heads, dim=2)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str) -> torch.Tensor:
@@ -336,4 +179,4 @@ def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str
         return _allgather_attention(q, k, v, group, cp_size)
     if method == "a2a":
         return _a2a_attention(q, k, v, group, cp_size)
-    return _RingAttention.apply(q, k, v, group)
+    return ring_attention(q, k, v, group)

@@ -1,16 +1,24 @@
 """dtrain's context-parallel attention (allgather, ring, a2a) against full causal attention of the
 unsplit sequence: output and dq/dk/dv on every rank, fp32 on CPU with gloo, relative error <= 1e-5.
-One spawned process group per cp size runs every case (tests/workers/cp_attention.py)."""
+One spawned process group per cp size runs every case (tests/workers/cp_attention.py).
+The ring's block kernels (out + log-sum-exp forward, backward from the merged out and lse) are checked
+one block at a time against math attention; on 2 GPUs (marked gpu) the ring runs in bf16 with each of
+the cuDNN and flash kernels against full fp32 attention on one GPU."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from models.context import causal_attention
 from models.errors import UserError
+from parallel import ring_attention as ring
 from parallel.context_parallel import CP_METHODS, context_parallel_attention, load_balance_indices, shard_sequence
 from tests.workers import cp_attention
 
@@ -116,3 +124,157 @@ def test_sequence_not_divisible_by_twice_cp_is_a_user_error():
         load_balance_indices(12, 4, 0)
     with pytest.raises(UserError, match="multiple of 4"):
         shard_sequence(torch.zeros(1, 6), 2, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring block kernels, one process.
+
+
+def _math_block(q, k, v, causal: bool):
+    """fp64 reference of one block on [batch, seq, heads, head_dim] (GQA by adjacent head groups):
+    out and lse [batch, heads, seq_q], differentiable."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return ((scores - lse.unsqueeze(-1)).exp() @ v).transpose(1, 2), lse
+
+
+def _block_inputs(seq_q: int, seq_k: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    batch, heads, kv_heads, head_dim = 2, 4, 2, 8
+    shapes = [(batch, seq_q, heads, head_dim), (batch, seq_k, kv_heads, head_dim), (batch, seq_k, kv_heads, head_dim)]
+    q, k, v = (torch.randn(shape, generator=generator) for shape in shapes)
+    return q, k, v, torch.randn(batch, seq_q, heads, head_dim, generator=generator)
+
+
+def _close(actual, expected, name):
+    error = ((actual.double() - expected).abs().max() / expected.abs().max()).item()
+    assert error <= RTOL, f"{name}: relative error {error:.2e}"
+
+
+CPU_KERNELS = ["flash_cpu", "math"]
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("causal,seq_q,seq_k", [(True, 12, 12), (False, 6, 12)], ids=["diagonal", "off_diagonal"])
+def test_block_kernel_matches_math_attention(kernel, causal, seq_q, seq_k):
+    q, k, v, grad = _block_inputs(seq_q, seq_k)
+    out, lse, state = ring._block_attention(kernel, q, k, v, causal)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 4, seq_q) and lse.dtype == torch.float32
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    expected_out, expected_lse = _math_block(*full, causal)
+    expected_out.backward(grad.double())
+    _close(out, expected_out.detach(), "out")
+    _close(lse, expected_lse.detach(), "lse")
+    grads = ring._block_attention_backward(kernel, grad, q, k, v, out, lse, causal, state)
+    for name, actual, t in zip(("dq", "dk", "dv"), grads, full):
+        assert actual.shape == t.shape, name
+        _close(actual, t.grad, name)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_blocks_merged_by_lse_give_full_attention_and_exact_gradients(kernel):
+    """Keys split in two blocks: merged outputs equal one block over all keys, and each block's
+    backward from the merged out and lse gives its exact share of dq and its own dk, dv."""
+    q, k, v, grad = _block_inputs(6, 12, seed=1)
+    first, second = (slice(0, 5), slice(5, 12))
+    out, lse, state = ring._block_attention(kernel, q, k[:, first], v[:, first], False)
+    out = out.float().contiguous()
+    ring._merge_into(out, lse, *ring._block_attention(kernel, q, k[:, second], v[:, second], False)[:2])
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    expected_out, expected_lse = _math_block(*full, causal=False)
+    expected_out.backward(grad.double())
+    _close(out, expected_out.detach(), "out")
+    _close(lse, expected_lse.detach(), "lse")
+    grad_q = torch.zeros_like(q)
+    for keys in (first, second):
+        dq, dk, dv = ring._block_attention_backward(kernel, grad, q, k[:, keys], v[:, keys], out, lse, False, state)
+        grad_q += dq
+        _close(dk, full[1].grad[:, keys], "dk")
+        _close(dv, full[2].grad[:, keys], "dv")
+    _close(grad_q, full[0].grad, "dq")
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_cuda_block_kernels_take_their_arguments(kernel):
+    """The CUDA kernels' argument lists and result shapes, checked on meta tensors (no GPU needed)."""
+    q, k, v, grad = (t.to("meta", torch.bfloat16) for t in _block_inputs(12, 12))
+    out, lse, state = ring._block_attention(kernel, q, k, v, True)
+    assert out.shape == q.shape and lse.shape == (2, 4, 12) and lse.dtype == torch.float32
+    grads = ring._block_attention_backward(kernel, grad, q, k, v, out, lse, True, state)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_ring_block_kernel_choice():
+    assert ring.choose_block_kernel(torch.zeros(1, 4, 2, 8)) == "flash_cpu"
+    assert ring.choose_block_kernel(torch.zeros(1, 4, 2, 8, device="meta")) == "math"
+    q = torch.zeros(1, 4, 2, 8)
+    message = "unknown ring attention block kernel 'efficient'.*cudnn, flash, flash_cpu, math"
+    with pytest.raises(ValueError, match=message):
+        ring.ring_attention(q, q, q, None, kernel="efficient")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring on 2 GPUs (NCCL) in bf16 with each fused kernel forced, against full fp32 attention.
+
+GPU_CASES = {"gqa": (2, 2048, 8, 2, 128), "mha": (1, 1024, 4, 4, 64)}  # batch, seq, heads, kv_heads, head_dim
+GPU_RUNS = {  # name -> (kernel or None for the automatic choice, dtype, relative error bound)
+    "cudnn": ("cudnn", torch.bfloat16, 2e-2),
+    "flash": ("flash", torch.bfloat16, 2e-2),
+    "auto_bf16": (None, torch.bfloat16, 2e-2),
+    "auto_fp32": (None, torch.float32, 1e-4),
+}
+
+
+def _norm_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected).norm() / expected.norm()).item()
+
+
+def _gpu_ring_worker(rank: int, out_dir: str) -> None:
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{out_dir}/store", rank=rank, world_size=2)
+    group = dist.group.WORLD
+    results: dict[str, dict] = {}
+    try:
+        for seed, (case, shape) in enumerate(GPU_CASES.items()):
+            q, k, v, grad = cp_attention._random_inputs(*shape, seed, device, torch.float32)
+            for run, (kernel, dtype, _) in GPU_RUNS.items():
+                # The reference is fp32 math attention of the same dtype-rounded inputs, on one GPU.
+                full = [t.to(dtype).to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]
+                with sdpa_kernel(SDPBackend.MATH):
+                    reference = causal_attention(*full)
+                reference.backward(grad.to(dtype).float())
+                expected = {"out": reference.detach(), "dq": full[0].grad, "dk": full[1].grad, "dv": full[2].grad}
+                local = [shard_sequence(t.to(dtype), 2, rank).requires_grad_() for t in (q, k, v)]
+                out = ring.ring_attention(*local, group, kernel=kernel)
+                out.backward(shard_sequence(grad.to(dtype), 2, rank))
+                actual = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+                expected = {name: shard_sequence(t, 2, rank) for name, t in expected.items()}
+                errors = {name: _norm_relative_error(actual[name], expected[name]) for name in expected}
+                results[f"{case}/{run}"] = {"kernel": kernel or ring.choose_block_kernel(local[0]), "errors": errors}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_ring_on_two_gpus_with_each_fused_kernel(tmp_path):
+    mp.spawn(_gpu_ring_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    failures = []
+    for rank in range(2):
+        for name, result in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
+            run, kernel, errors = name.split("/")[1], result["kernel"], result["errors"]
+            print(f"rank {rank} {name} ({kernel}): " + ", ".join(f"{key} {error:.2e}" for key, error in errors.items()))
+            bound = GPU_RUNS[run][2]
+            failures += [f"rank {rank} {name} {key} {e:.2e} > {bound}" for key, e in errors.items() if e > bound]
+            if run == "auto_bf16" and kernel not in ("cudnn", "flash"):
+                failures.append(f"bf16 on a GPU chose the {kernel} block kernel, not cuDNN or flash")
+            if run == "auto_fp32" and kernel != "math":
+                failures.append(f"fp32 on a GPU chose the {kernel} block kernel, not math")
+    assert not failures, "; ".join(failures)
