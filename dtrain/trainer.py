@@ -203,7 +203,7 @@ class Trainer:
         )
         loss_sum = self.forward_backward(micro_batches)
         rescale_expert_grads_(self.expert_params, self.plan, self.tp_group)
-        grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group)
+        grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         precision.after_optimizer_step(self.model_parts)
