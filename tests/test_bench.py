@@ -43,3 +43,13 @@ def test_bubble_from_runs_at_m_and_2m_micro_batches(tmp_path):
     expected = 1 - m * t / step_time(m)
     ideal = (p - 1) / (m + p - 1)
     assert f"| {100 * expected:.1f}% | {100 * ideal:.1f}% |" in lines[2]
+
+
+def test_compare_runs_reports_the_largest_relative_difference():
+    from tools.compare_runs import compare
+
+    a = {"train/loss": {1: 4.0, 2: 3.0, 3: 2.0}}
+    b = {"train/loss": {1: 4.0, 2: 3.3, 3: 2.1, 4: 9.0}}  # step 4 is not in both runs
+    result = compare(a, b, ["train/loss"])["train/loss"]
+    assert result["steps"] == 3 and result["at_step"] == 2
+    assert abs(result["max_rel_diff"] - abs(3.3 - 3.0) / 3.0) < 1e-12
