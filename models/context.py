@@ -20,6 +20,10 @@ class ModelContext(Protocol):
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T with the configured precision backend (weight is [out, in])."""
 
+    def linear_many(self, x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`linear(x, w)` for each of `weights` (same input width), as one matmul where the
+        context can."""
+
     def embedding(self, tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Rows of `weight` [vocab, embed] for each token id."""
 
@@ -113,6 +117,34 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, 
     return torch.cat(outputs)
 
 
+def _is_plain(weight: torch.Tensor) -> bool:
+    """A whole tensor with nothing attached: not a DTensor (its placements are per weight) nor a
+    subclass such as torchao's float8 tensors (their scales are per weight)."""
+    return type(weight) in (torch.Tensor, torch.nn.Parameter)
+
+
+class _ConcatenatedLinear(torch.autograd.Function):
+    """x @ cat(weights).T: one GEMM forward, one for each gradient. It saves the weights rather
+    than their concatenation, which would keep a copy of them alive until backward (FSDP frees
+    its gathered weights after forward and gathers them again for backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        grad_x = grad @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        grad_weights = [None] * len(weights)
+        if any(ctx.needs_input_grad[1:]):
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            grad_weights = [g if needed else None for g, needed in
+                            zip(grad_weight.split([w.shape[0] for w in weights]), ctx.needs_input_grad[1:])]
+        return grad_x, *grad_weights
+
+
 class LocalContext:
     """Everything on one device: no constraints, plain matmuls, SDPA with its default kernel choice."""
 
@@ -121,6 +153,16 @@ class LocalContext:
 
     def linear(self, x, weight):
         return F.linear(x, weight)
+
+    def linear_many(self, x, weights):
+        if not all(_is_plain(w) for w in weights):
+            return [self.linear(x, w) for w in weights]
+        fused = self._concatenated_linear(x, weights)
+        return list(fused.split([w.shape[0] for w in weights], dim=-1))
+
+    def _concatenated_linear(self, x, weights):
+        """`linear` of x by the weights stacked as one [sum of outs, in] weight."""
+        return _ConcatenatedLinear.apply(x, *weights)
 
     def embedding(self, tokens, weight):
         return F.embedding(tokens, weight)

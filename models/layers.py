@@ -59,9 +59,10 @@ def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Te
     `document_ids` [batch, seq] is given), output projection."""
     batch, seq, _ = x.shape
     head_dim = p["wq"].shape[0] // num_heads
-    q = ctx.linear(x, p["wq"]).view(batch, seq, num_heads, head_dim)
-    k = ctx.linear(x, p["wk"]).view(batch, seq, num_kv_heads, head_dim)
-    v = ctx.linear(x, p["wv"]).view(batch, seq, num_kv_heads, head_dim)
+    q, k, v = ctx.linear_many(x, [p["wq"], p["wk"], p["wv"]])
+    q = q.view(batch, seq, num_heads, head_dim)
+    k = k.view(batch, seq, num_kv_heads, head_dim)
+    v = v.view(batch, seq, num_kv_heads, head_dim)
     q = ctx.constrain(q, ("batch", "seq", "heads", "head_dim"), "attention")
     k = ctx.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), "attention")
     v = ctx.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), "attention")
@@ -72,6 +73,5 @@ def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Te
 
 
 def swiglu_block(p: dict, x: torch.Tensor, ctx: ModelContext) -> torch.Tensor:
-    gate = ctx.linear(x, p["w_gate"])
-    up = ctx.linear(x, p["w_up"])
+    gate, up = ctx.linear_many(x, [p["w_gate"], p["w_up"]])
     return ctx.linear(torch.nn.functional.silu(gate) * up, p["w_down"])

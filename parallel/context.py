@@ -52,6 +52,12 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
             return self.fp8_linear(x, weight)
         return F.linear(x, weight)
 
+    def _concatenated_linear(self, x, weights):
+        if self.fp8_linear is not None:
+            # One FP8 cast and GEMM for all the weights: under tensorwise scaling they share one scale.
+            return self.fp8_linear(x, torch.cat(weights))
+        return super()._concatenated_linear(x, weights)
+
     def constrain(self, x, axes, region):
         if self.activation_mesh is None:
             return x
