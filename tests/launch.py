@@ -26,7 +26,9 @@ def _free_port() -> int:
 
 def run_cli(args: list[str], nproc: int = 1, module: str = "dtrain.run",
             timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # The repo first, then whatever the caller's path had (packages installed beside the system's).
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     if nproc == 1:
         cmd = [sys.executable, "-m", module, *args]
     else:
