@@ -103,15 +103,15 @@ def _allgather_attention(q, k, v, group, cp_size: int) -> torch.Tensor:
     kv_global = gathered.index_select(1, torch.argsort(_rank_major_positions(seq_len, cp_size, q.device)))
     k_all, v_all = kv_global.split(kv_heads, dim=2)
 
-    # On the host: only the chunk ends are read, and reading them from a GPU would sync it.
-    query_positions = load_balance_indices(seq_len, cp_size, dist.get_rank(group))
-    chunk = local_seq // 2
+    # This rank's queries are chunks `rank` and `2 * cp - 1 - rank` of the sequence. Their ends are
+    # plain integers: no tensor is read, so nothing syncs and torch.compile sees one graph.
+    rank, chunk = dist.get_rank(group), local_seq // 2
     outputs = []
-    for q_chunk, positions in zip(q.split(chunk, dim=1), query_positions.split(chunk)):
+    for q_chunk, chunk_index in zip(q.split(chunk, dim=1), (rank, 2 * cp_size - 1 - rank)):
         # Keys past the chunk's last query are masked for all of it: leave them out of the kernel.
         # What remains is causal aligned to the bottom right: query i sees keys up to i + visible - chunk,
         # which flash runs natively on CUDA; on CPU the bias becomes a boolean mask for math attention.
-        visible = int(positions[-1]) + 1
+        visible = (chunk_index + 1) * chunk
         mask = causal_lower_right(chunk, visible)
         outputs.append(_sdpa(q_chunk, k_all[:, :visible], v_all[:, :visible], mask=mask))
     return torch.cat(outputs, dim=1)
