@@ -84,6 +84,8 @@ class TrainArgs:
     fp8_all_gather: bool = _field(True, "under --fp8 tensorwise with FSDP over CUDA GPUs and tp=1, all-gather the "
                                         "FP8 blocks' matmul weights in float8 (half the bytes of bf16)")
     compile: bool = _field(False, "torch.compile each transformer block")
+    fuse_projections: bool = _field(False, "one matmul for q/k/v and one for gate/up where the weights are "
+                                           "whole on the rank (tp=1)")
     recompute: str = _field("none", "activation recompute of blocks", choices=("none", "selective", "full"))
     run_dir: str = _field("runs/default", "directory for the resolved config, TensorBoard files and log")
     log_every: int = _field(1, "steps between console lines")

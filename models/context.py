@@ -146,7 +146,12 @@ class _ConcatenatedLinear(torch.autograd.Function):
 
 
 class LocalContext:
-    """Everything on one device: no constraints, plain matmuls, SDPA with its default kernel choice."""
+    """Everything on one device: no constraints, plain matmuls, SDPA with its default kernel choice.
+
+    `fuse_projections` makes `linear_many` one matmul over the concatenated weights. It is off by
+    default: on an H200 with compiled blocks, llama-1b ran 1.4% slower fused (54.0% vs 54.8% MFU)."""
+
+    fuse_projections: bool = False
 
     def constrain(self, x, axes, region):
         return x
@@ -155,7 +160,7 @@ class LocalContext:
         return F.linear(x, weight)
 
     def linear_many(self, x, weights):
-        if not all(_is_plain(w) for w in weights):
+        if not (self.fuse_projections and all(_is_plain(w) for w in weights)):
             return [self.linear(x, w) for w in weights]
         fused = self._concatenated_linear(x, weights)
         return list(fused.split([w.shape[0] for w in weights], dim=-1))

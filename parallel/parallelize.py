@@ -20,9 +20,10 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
                 seed: int, compute_dtype: torch.dtype, recompute_mode: str = "none",
                 compile_blocks: bool = False, async_tp: bool = False,
                 cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None,
-                fp8_linear=None, fp8_layers: frozenset[str] = frozenset(),
+                fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fuse_projections: bool = False,
                 ) -> tuple[ModelModule, ParallelContext]:
     ctx = ParallelContext(plan, mesh, cp_method, expert_mesh)
+    ctx.fuse_projections = fuse_projections
     if async_tp:
         enable_async_tp(mesh)
     param_mesh = mesh[plan.param_mesh_dims] if plan.param_mesh_dims else None

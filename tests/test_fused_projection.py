@@ -23,6 +23,11 @@ def _inputs(shape=(2, 5, 24)):
     return x, weights
 
 
+def _fusing(ctx):
+    ctx.fuse_projections = True
+    return ctx
+
+
 def _grads(outs, upstream, tensors):
     return torch.autograd.grad(sum((o * g).sum() for o, g in zip(outs, upstream)), tensors)
 
@@ -31,6 +36,7 @@ def _grads(outs, upstream, tensors):
 def test_fused_projections_match_separate_matmuls(shape, monkeypatch):
     x, weights = _inputs(shape)
     ctx = LocalContext()
+    ctx.fuse_projections = True
     fused_calls = []
     concatenated = LocalContext._concatenated_linear
     monkeypatch.setattr(LocalContext, "_concatenated_linear",
@@ -48,7 +54,7 @@ def test_fused_projections_match_separate_matmuls(shape, monkeypatch):
 def test_fused_projections_give_no_gradient_to_frozen_weights():
     x, weights = _inputs()
     weights[1].requires_grad_(False)
-    out = LocalContext().linear_many(x, weights)
+    out = _fusing(LocalContext()).linear_many(x, weights)
     sum(o.sum() for o in out).backward()
     assert weights[1].grad is None and weights[0].grad is not None and x.grad is not None
 
@@ -60,7 +66,7 @@ class _Tagged(torch.Tensor):
 def test_tensor_subclass_weights_are_multiplied_one_by_one(monkeypatch):
     x, weights = _inputs()
     monkeypatch.setattr(LocalContext, "_concatenated_linear", lambda *a: pytest.fail("fused a subclass"))
-    out = LocalContext().linear_many(x, [weights[0].as_subclass(_Tagged), *weights[1:]])
+    out = _fusing(LocalContext()).linear_many(x, [weights[0].as_subclass(_Tagged), *weights[1:]])
     for got, w in zip(out, weights):
         torch.testing.assert_close(got.as_subclass(torch.Tensor), F.linear(x, w))
 
@@ -75,7 +81,7 @@ def one_rank_context():
     try:
         spec = MeshSpec.parse("", 1)
         mesh = build_device_mesh(spec, "cpu")
-        yield ParallelContext(Plan.build(spec), mesh), mesh
+        yield _fusing(ParallelContext(Plan.build(spec), mesh)), mesh
     finally:
         dist.destroy_process_group()
 
@@ -110,3 +116,10 @@ def test_fp8_fused_projections_run_one_fp8_matmul(one_rank_context):
     assert 1e-4 < relative.item() < 0.1, relative
     sum(o.sum() for o in out).backward()
     assert all(w.grad is not None and torch.isfinite(w.grad).all() for w in weights)
+
+
+def test_projections_are_separate_matmuls_unless_asked(monkeypatch):
+    x, weights = _inputs((2, 5, 24))
+    monkeypatch.setattr(LocalContext, "_concatenated_linear", lambda *a: pytest.fail("fused by default"))
+    for got, w in zip(LocalContext().linear_many(x, weights), weights):
+        torch.testing.assert_close(got, F.linear(x, w), rtol=0, atol=0)
