@@ -93,6 +93,9 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     timed = history[warmup:]
+    if not timed:  # stopped early, e.g. by SIGTERM (it saves and stops)
+        raise SystemExit(f"error: the run stopped after {len(history)} steps, before any timed step "
+                         f"(--warmup {warmup})")
     tok = statistics.median(h["perf/tokens_per_sec_per_gpu"] for h in timed)
     result = {
         "shape": shape, "model": config.model.model, "mesh": config.parallel.mesh or "single",
