@@ -73,7 +73,8 @@ def _check_model_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
                             f"ranks; use --model-overrides tie_embeddings=false or pp=1")
         p = config.parallel
         pipeline.validate_schedule(p.pp_schedule, mesh_spec.pp, p.pp_virtual_stages,
-                                   d.global_batch // per_step, model_cfg.num_layers, p.pp_layout)
+                                   d.global_batch // per_step, model_cfg.num_layers, p.pp_layout,
+                                   on_gpus=torch.cuda.is_available())
 
 
 def _check_sequence_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:

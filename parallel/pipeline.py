@@ -43,10 +43,15 @@ SPLIT_BACKWARD = ("zb", "zbv")
 
 
 def validate_schedule(schedule: str, pp: int, virtual: int, num_microbatches: int, num_blocks: int,
-                      layout: str | None) -> None:
+                      layout: str | None, on_gpus: bool = False) -> None:
     """Every pipeline check that needs no memory, with what to change."""
     if schedule not in SCHEDULES:
         raise UserError(f"unknown --pp-schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if schedule in SPLIT_BACKWARD and on_gpus:
+        # Measured on 2 H200s (torch 2.11, NCCL): the first step of zb and of zbv never ends. They
+        # run, and match one process, on CPU processes over gloo.
+        raise UserError(f"--pp-schedule {schedule} does not finish a step over NCCL with this torch; use "
+                        f"interleaved-1f1b (or 1f1b), or run {schedule} on CPU processes")
     if virtual < 1:
         raise UserError(f"--pp-virtual-stages {virtual} must be >= 1")
     if schedule in SINGLE_STAGE and virtual != 1:

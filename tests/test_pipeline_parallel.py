@@ -71,12 +71,14 @@ BAD = [
     (dict(micro=1), "fewer than pp=2 stages"),
     (dict(schedule="interleaved-1f1b", virtual=2, micro=3), "multiple of pp=2"),
     (dict(schedule="interleaved-1f1b", virtual=4, micro=4), "4 blocks cannot fill"),
+    (dict(schedule="zbv", virtual=2, on_gpus=True), "does not finish a step over NCCL"),
+    (dict(schedule="zb", virtual=2, on_gpus=True), "does not finish a step over NCCL"),
 ]
 
 
 @pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
 def test_bad_pipeline_settings(kwargs, message):
-    args = dict(schedule="1f1b", pp=2, virtual=1, micro=4, blocks=4, layout=None) | kwargs
+    args = dict(schedule="1f1b", pp=2, virtual=1, micro=4, blocks=4, layout=None, on_gpus=False) | kwargs
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         pipeline.validate_schedule(args["schedule"], args["pp"], args["virtual"], args["micro"],
-                                   args["blocks"], args["layout"])
+                                   args["blocks"], args["layout"], args["on_gpus"])
