@@ -89,7 +89,10 @@ def expert_capacity(cfg: MoEConfig, num_tokens: int) -> int | None:
 def dispatch(routing: Routing, num_experts: int, capacity: int | None) -> Dispatch:
     """Sorts token slots by expert; with a capacity, each expert keeps its highest-scoring slots."""
     expert_of_slot = routing.expert_ids.flatten()
-    load = torch.bincount(expert_of_slot, minlength=num_experts)
+    # A scatter-add rather than bincount, whose output size depends on the data: torch.compile
+    # then keeps the routing in the block's graph.
+    load = torch.zeros(num_experts, dtype=torch.long, device=expert_of_slot.device).scatter_add_(
+        0, expert_of_slot, torch.ones_like(expert_of_slot))
     if capacity is None:
         slots = torch.argsort(expert_of_slot, stable=True)
         return Dispatch(slots, load, load, torch.zeros((), dtype=torch.long, device=load.device))
