@@ -85,6 +85,8 @@ class Trainer:
         self.router_stats = getattr(self.rope_aux, "router_stats", None)
         self.peak_flops = peak_flops(runtime.device)
         self._last_read_back = 0.0
+        # On the CPU the launch does the work, so there is nothing to overlap: read back at once.
+        self.overlap_read_back = runtime.device.type != "cpu"
         self.flops_per_token = flops.flops_per_token(self.model_cfg, d.seq_len)
         self.metrics = MetricsLogger(self.run_dir, runtime.is_main, self.peak_flops, runtime.device,
                                      start_step=self.step)
@@ -284,11 +286,9 @@ class Trainer:
                 read_back_all()
                 unread.append(launched)
                 every = self.config.train.eval_every
-                # On the CPU the launch did the work: nothing overlaps, so read back at once.
-                if self.runtime.device.type == "cpu":
-                    read_back_all()
-                if self.step == total or (every and self.step % every == 0):
-                    read_back_all(evaluate=bool(every))
+                evaluate = bool(every) and (self.step % every == 0 or self.step == total)
+                if evaluate or self.step == total or not self.overlap_read_back:
+                    read_back_all(evaluate=evaluate)
                 if self.checkpointer.after_step(self.step, before_save=read_back_all):
                     break  # preempted: saved, and every rank stops here
             read_back_all()

@@ -1,3 +1,6 @@
+import io
+import json
+
 import pytest
 import torch
 
@@ -17,3 +20,18 @@ def single_run(tmp_path_factory):
     from tests.launch import train_scalars
 
     return train_scalars(tmp_path_factory.mktemp("single"), [])
+
+
+@pytest.fixture(scope="session")
+def indexed_corpus(tmp_path_factory):
+    """A Megatron indexed corpus of bundled documents (prefix path), for runs with a validation split."""
+    from dtrain.data import BUNDLED_TOKENIZER
+    from tools.preprocess_data import preprocess
+
+    folder = tmp_path_factory.mktemp("indexed")
+    corpus = (BUNDLED_TOKENIZER.parent / "corpus.txt").read_text().split("\n\n")
+    lines = [json.dumps({"text": text}) for text in corpus[:3000] if text.strip()]
+    (folder / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    preprocess(str(folder / "docs.jsonl"), str(folder / "docs"), tokenizer=str(BUNDLED_TOKENIZER),
+               append_eod=True, log=io.StringIO())
+    return str(folder / "docs")

@@ -1,29 +1,14 @@
 """Indexed data through the trainer: a preprocessed corpus trains with validation passes and
 document masking, and the masks and positions reach attention as they should."""
 
-import io
-import json
 import math
 
 import pytest
 import torch
 
-from dtrain.data import BUNDLED_TOKENIZER
 from models.context import causal_attention
 from models.layers import apply_rope, rope_frequencies, rope_table
 from tests.launch import train_scalars
-from tools.preprocess_data import preprocess
-
-
-@pytest.fixture(scope="module")
-def indexed_corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("indexed")
-    corpus = (BUNDLED_TOKENIZER.parent / "corpus.txt").read_text().split("\n\n")
-    lines = [json.dumps({"text": text}) for text in corpus[:3000] if text.strip()]
-    (folder / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    preprocess(str(folder / "docs.jsonl"), str(folder / "docs"), tokenizer=str(BUNDLED_TOKENIZER),
-               append_eod=True, log=io.StringIO())
-    return str(folder / "docs")
 
 
 @pytest.mark.slow

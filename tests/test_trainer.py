@@ -1,0 +1,38 @@
+"""The training loop reads a step's loss back only after queuing the next step: the scalars,
+evaluations and checkpoints must be those of reading every step back at once."""
+
+from __future__ import annotations
+
+from dtrain import distributed
+from dtrain.config import load_config
+from dtrain.train import validate, with_global_batch
+from dtrain.trainer import Trainer
+from tests.launch import TINY_ARGS
+
+
+def _fit(run_dir, data: str, overlap: bool) -> list[dict[str, float]]:
+    config = with_global_batch(load_config([*TINY_ARGS, "--run-dir", str(run_dir), "--data", data,
+                                            "--split", "90,10,0", "--eval-every", "4", "--eval-steps", "2",
+                                            "--checkpoint-every", "3"]), 1)
+    validate(config, 1)
+    runtime = distributed.init_process_group()
+    try:
+        trainer = Trainer(config, runtime)
+        trainer.overlap_read_back = overlap
+        return trainer.fit()
+    finally:
+        distributed.shutdown()
+
+
+def test_deferred_read_back_logs_evaluates_and_saves_like_reading_at_once(tmp_path, indexed_corpus):
+    at_once = _fit(tmp_path / "at_once", indexed_corpus, overlap=False)
+    deferred = _fit(tmp_path / "deferred", indexed_corpus, overlap=True)
+    assert len(deferred) == len(at_once) == 10
+    for step, (a, b) in enumerate(zip(at_once, deferred), start=1):
+        assert b["train/loss"] == a["train/loss"] and b["train/grad_norm"] == a["train/grad_norm"], step
+        assert ("val/loss" in b) == ("val/loss" in a) == (step % 4 == 0 or step == 10), step
+        if "val/loss" in a:
+            assert b["val/loss"] == a["val/loss"]
+    for name in ("at_once", "deferred"):
+        saved = sorted(p.name for p in (tmp_path / name / "checkpoints").iterdir())
+        assert saved == ["step_000003", "step_000006", "step_000009", "step_000010"], saved
