@@ -35,8 +35,24 @@ SHAPES = {
 }
 
 
-README_BEGIN = "<!-- benchmark table: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->"
-README_END = "<!-- end of benchmark table -->"
+# Where --readme writes each rendering: between its begin and end markers.
+README_MARKERS = {
+    "table": ("<!-- benchmark table: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
+              "<!-- end of benchmark table -->"),
+    "bubble": ("<!-- bubble table: python -m tools.bench --bubble benchmarks/results.jsonl --readme README.md -->",
+               "<!-- end of bubble table -->"),
+}
+
+
+def write_into_readme(readme: Path, kind: str, rendered: str) -> None:
+    begin, end = README_MARKERS[kind]
+    text = readme.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"error: {readme} lacks the markers {begin!r} and {end!r}; add them where the "
+                         f"{kind} goes")
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    readme.write_text(f"{head}{begin}\n{rendered}\n{end}{tail}")
 
 
 def _commit() -> str:
@@ -115,13 +131,32 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
     return result
 
 
+def _options(row: dict) -> list[str]:
+    """The run's dtrain flags that change what is measured (not the mesh, shown apart, nor where
+    the run wrote its files)."""
+    args, kept = row["args"], []
+    skip = {"--mesh", "--run-dir"}
+    for i, arg in enumerate(args):
+        if arg in skip or (i > 0 and args[i - 1] in skip):
+            continue
+        kept.append(arg)
+    return kept
+
+
 def table(path: Path) -> str:
-    """The README table from JSON lines written by this tool."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    """The README table from JSON lines written by this tool: the newest run of each setup."""
+    newest: dict[tuple, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            newest[(r["shape"], r["gpus"], r["mesh"], r["micro_batch"], r["global_batch"], *_options(r))] = r
+    order = {shape: i for i, shape in enumerate(SHAPES)}
+    rows = sorted(newest.values(), key=lambda r: (order.get(r["shape"], len(order)), r["gpus"], r["seq_len"],
+                                                  r["mesh"], r["global_batch"], _options(r)))
     lines = ["| shape | GPUs | mesh | seq | micro/global batch | precision | options | tok/s/GPU | MFU | peak mem/GPU | date, commit |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        options = " ".join(a for a in r["args"] if a not in ("--mesh", r["mesh"])) or "-"
+        options = " ".join(_options(r)) or "-"
         mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "-"
         lines.append(
             f"| {r['shape']} | {r['gpus']}x {r['device'].replace('NVIDIA ', '')} | {r['mesh']} | {r['seq_len']} | "
@@ -183,21 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", type=Path, help="print the markdown table of a JSON-lines file and exit")
     parser.add_argument("--bubble", type=Path, metavar="FILE",
                         help="print the measured pipeline bubbles of the runs in a JSON-lines file and exit")
-    parser.add_argument("--readme", type=Path, help="with --table: write the table into this file between "
-                        f"{README_BEGIN!r} and {README_END!r}")
+    parser.add_argument("--readme", type=Path, help="with --table or --bubble: also write the table into this "
+                        "file, between its markers (see README_MARKERS)")
     args = parser.parse_args(argv)
-    if args.table:
-        rendered = table(args.table)
-        if args.readme:
-            text = args.readme.read_text()
-            head, _, rest = text.partition(README_BEGIN)
-            _, _, tail = rest.partition(README_END)
-            args.readme.write_text(f"{head}{README_BEGIN}\n{rendered}\n{README_END}{tail}")
-        print(rendered)
-        return 0
-    if args.bubble:
-        print(bubbles(args.bubble))
-        return 0
+    for kind, source, render in (("table", args.table, table), ("bubble", args.bubble, bubbles)):
+        if source:
+            rendered = render(source)
+            if args.readme:
+                write_into_readme(args.readme, kind, rendered)
+            print(rendered)
+            return 0
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     run(args.shape, args.steps, args.warmup, extra, args.profile)
