@@ -53,3 +53,18 @@ def test_compare_runs_reports_the_largest_relative_difference():
     result = compare(a, b, ["train/loss"])["train/loss"]
     assert result["steps"] == 3 and result["at_step"] == 2
     assert abs(result["max_rel_diff"] - abs(3.3 - 3.0) / 3.0) < 1e-12
+
+
+def test_readme_gets_the_newest_run_of_each_setup_between_its_markers(tmp_path):
+    old = {**_pipelined_run(8, 0.5, "1f1b"), "tokens_per_sec_per_gpu": 1000.0, "mfu_pct": 10.0, "seq_len": 4096,
+           "precision": "bf16", "peak_mem_gb": 20.0, "device": "NVIDIA H200", "date": "2026-11-01", "commit": "aaa"}
+    new = {**old, "tokens_per_sec_per_gpu": 2000.0, "commit": "bbb"}
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(old) + "\n" + json.dumps(new) + "\n")
+    begin, end = bench.README_MARKERS["table"]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{begin}\nstale\n{end}\noutro\n")
+    assert bench.main(["--table", str(results), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "stale" not in text
+    assert "2,000" in text and "1,000" not in text  # the same setup: only the newer run
