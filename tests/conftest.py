@@ -1,8 +1,10 @@
+import contextlib
 import io
 import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
 
 def pytest_collection_modifyitems(config, items):
@@ -35,3 +37,22 @@ def indexed_corpus(tmp_path_factory):
     preprocess(str(folder / "docs.jsonl"), str(folder / "docs"), tokenizer=str(BUNDLED_TOKENIZER),
                append_eod=True, log=io.StringIO())
     return str(folder / "docs")
+
+
+@pytest.fixture
+def fake_world():
+    """`with fake_world(n):` a fake world of n ranks in this process, seen from rank 0: meshes,
+    DTensors and FSDP work, collectives move no data (values are not meaningful)."""
+    from dtrain import distributed
+
+    @contextlib.contextmanager
+    def world(world_size: int):
+        if dist.is_initialized():
+            pytest.skip("a default process group already exists in this process")
+        distributed.init_fake_process_group(world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+    return world

@@ -76,19 +76,12 @@ def test_matmul_weights_by_logical_axes(axes, matmul):
 
 
 @pytest.fixture
-def fake_world(monkeypatch):
-    """A fake two-rank world in this process (rank 0): FSDP shards and gathers, but no data
-    moves, so the float8 all-gather runs its casts and hooks on CPU. Values are not meaningful."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
+def two_fake_ranks(fake_world, monkeypatch):
+    """A fake two-rank world: FSDP shards and gathers but no data moves, so the float8
+    all-gather runs its casts and hooks on CPU."""
     monkeypatch.setattr(precision, "FLOAT8_COLLECTIVE_DEVICES", ("cuda", "cpu"))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_world(2):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _build(model: str, mesh: str, recipe: str, fp8_blocks: set[int], overrides: dict | None = None,
@@ -113,13 +106,13 @@ def _float8_gathered(model) -> set[str]:
             if isinstance(p, DTensor) and isinstance(p._local_tensor, wrapper)}
 
 
-def test_only_the_fp8_blocks_matmul_weights_are_wrapped(fake_world):
+def test_only_the_fp8_blocks_matmul_weights_are_wrapped(two_fake_ranks):
     _, model, fp8 = _build("tiny", "dp=2", "tensorwise", {1, 2})
     assert _float8_gathered(model) == {f"blocks.{i}.{w}" for i in (1, 2) for w in ATTN + MLP}
     assert fp8.config.enable_fsdp_float8_all_gather
 
 
-def test_moe_wraps_attention_and_shared_experts_not_router_or_experts(fake_world):
+def test_moe_wraps_attention_and_shared_experts_not_router_or_experts(two_fake_ranks):
     overrides = dict(num_shared_experts=1, first_dense_layers=1, dense_ffn_dim=128, bias_update_rate=0.001)
     _, model, _ = _build("tiny-moe", "dp=2,ep=2", "tensorwise", {0, 1, 2, 3}, overrides)
     names = {name for name, _ in model.named_parameters()}
@@ -132,13 +125,13 @@ def test_moe_wraps_attention_and_shared_experts_not_router_or_experts(fake_world
     ("rowwise", "dp=2", True), ("rowwise_with_gw_hp", "dp=2", True), ("tensorwise", "tp=2", True),
     ("tensorwise", "dp=2", False),
 ])
-def test_bf16_all_gather_where_float8_is_not_allowed(fake_world, recipe, mesh, float8_all_gather):
+def test_bf16_all_gather_where_float8_is_not_allowed(two_fake_ranks, recipe, mesh, float8_all_gather):
     _, model, fp8 = _build("tiny", mesh, recipe, {0, 1, 2, 3}, float8_all_gather=float8_all_gather)
     assert _float8_gathered(model) == set()
     assert not fp8.config.enable_fsdp_float8_all_gather
 
 
-def test_float8_gathered_weights_go_through_the_fp8_matmul(fake_world, monkeypatch):
+def test_float8_gathered_weights_go_through_the_fp8_matmul(two_fake_ranks, monkeypatch):
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
     from dtrain.config import OptimArgs
@@ -182,7 +175,7 @@ def test_float8_gathered_weights_go_through_the_fp8_matmul(fake_world, monkeypat
     assert precomputed_used and all(precomputed_used)
 
 
-def test_after_optimizer_step_is_a_no_op_without_float8_gathered_weights(fake_world):
+def test_after_optimizer_step_is_a_no_op_without_float8_gathered_weights(two_fake_ranks):
     _, model, _ = _build("tiny", "dp=2", "rowwise", {0, 1, 2, 3})
     precision.after_optimizer_step([model])  # no collective, no error
 

@@ -3,7 +3,6 @@ numbers as separate matmuls; separate matmuls on DTensor and other tensor-subcla
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -72,18 +71,11 @@ def test_tensor_subclass_weights_are_multiplied_one_by_one(monkeypatch):
 
 
 @pytest.fixture
-def one_rank_context():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    try:
+def one_rank_context(fake_world):
+    with fake_world(1):
         spec = MeshSpec.parse("", 1)
         mesh = build_device_mesh(spec, "cpu")
         yield _fusing(ParallelContext(Plan.build(spec), mesh)), mesh
-    finally:
-        dist.destroy_process_group()
 
 
 def test_dtensor_weights_keep_their_own_placements(one_rank_context, monkeypatch):

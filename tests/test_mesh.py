@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from models.errors import UserError
 from parallel.mesh import MESH_DIMS, MeshSpec, build_device_mesh
@@ -110,13 +109,8 @@ def test_str_names_only_dims_above_one():
     assert str(MeshSpec.parse("", 1)) == "single"
 
 
-def test_build_device_mesh_order_tp_innermost():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    try:
+def test_build_device_mesh_order_tp_innermost(fake_world):
+    with fake_world(8):
         spec = MeshSpec.parse("dp=2,tp=2,pp=2", 8)
         mesh = build_device_mesh(spec, "cpu")
         assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -137,5 +131,3 @@ def test_build_device_mesh_order_tp_innermost():
         assert [name for name, a, b in zip(mesh.mesh_dim_names, c0, c4) if a != b] == ["pp"]
         assert mesh["tp"].size() == 2 and mesh["pp"].size() == 2 and mesh["dp_shard"].size() == 2
         assert mesh["cp"].size() == 1 and mesh["dp_replicate"].size() == 1
-    finally:
-        dist.destroy_process_group()
