@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.context import causal_attention
 from models.errors import UserError
+from parallel import attention_blocks as blocks
 from parallel import ring_attention as ring
 from parallel.context_parallel import CP_METHODS, context_parallel_attention, load_balance_indices, shard_sequence
 from tests.workers import cp_attention
@@ -163,14 +164,14 @@ CPU_KERNELS = ["flash_cpu", "math"]
 @pytest.mark.parametrize("causal,seq_q,seq_k", [(True, 12, 12), (False, 6, 12)], ids=["diagonal", "off_diagonal"])
 def test_block_kernel_matches_math_attention(kernel, causal, seq_q, seq_k):
     q, k, v, grad = _block_inputs(seq_q, seq_k)
-    out, lse, state = ring._block_attention(kernel, q, k, v, causal)
+    out, lse, state = blocks.block_attention(kernel, q, k, v, causal)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 4, seq_q) and lse.dtype == torch.float32
     full = [t.double().requires_grad_() for t in (q, k, v)]
     expected_out, expected_lse = _math_block(*full, causal)
     expected_out.backward(grad.double())
     _close(out, expected_out.detach(), "out")
     _close(lse, expected_lse.detach(), "lse")
-    grads = ring._block_attention_backward(kernel, grad, q, k, v, out, lse, causal, state)
+    grads = blocks.block_attention_backward(kernel, grad, q, k, v, out, lse, causal, state)
     for name, actual, t in zip(("dq", "dk", "dv"), grads, full):
         assert actual.shape == t.shape, name
         _close(actual, t.grad, name)
@@ -182,9 +183,9 @@ def test_blocks_merged_by_lse_give_full_attention_and_exact_gradients(kernel):
     backward from the merged out and lse gives its exact share of dq and its own dk, dv."""
     q, k, v, grad = _block_inputs(6, 12, seed=1)
     first, second = (slice(0, 5), slice(5, 12))
-    out, lse, state = ring._block_attention(kernel, q, k[:, first], v[:, first], False)
+    out, lse, state = blocks.block_attention(kernel, q, k[:, first], v[:, first], False)
     out = out.float().contiguous()
-    ring._merge_into(out, lse, *ring._block_attention(kernel, q, k[:, second], v[:, second], False)[:2])
+    ring._merge_into(out, lse, *blocks.block_attention(kernel, q, k[:, second], v[:, second], False)[:2])
     full = [t.double().requires_grad_() for t in (q, k, v)]
     expected_out, expected_lse = _math_block(*full, causal=False)
     expected_out.backward(grad.double())
@@ -192,7 +193,7 @@ def test_blocks_merged_by_lse_give_full_attention_and_exact_gradients(kernel):
     _close(lse, expected_lse.detach(), "lse")
     grad_q = torch.zeros_like(q)
     for keys in (first, second):
-        dq, dk, dv = ring._block_attention_backward(kernel, grad, q, k[:, keys], v[:, keys], out, lse, False, state)
+        dq, dk, dv = blocks.block_attention_backward(kernel, grad, q, k[:, keys], v[:, keys], out, lse, False, state)
         grad_q += dq
         _close(dk, full[1].grad[:, keys], "dk")
         _close(dv, full[2].grad[:, keys], "dv")
@@ -203,15 +204,15 @@ def test_blocks_merged_by_lse_give_full_attention_and_exact_gradients(kernel):
 def test_cuda_block_kernels_take_their_arguments(kernel):
     """The CUDA kernels' argument lists and result shapes, checked on meta tensors (no GPU needed)."""
     q, k, v, grad = (t.to("meta", torch.bfloat16) for t in _block_inputs(12, 12))
-    out, lse, state = ring._block_attention(kernel, q, k, v, True)
+    out, lse, state = blocks.block_attention(kernel, q, k, v, True)
     assert out.shape == q.shape and lse.shape == (2, 4, 12) and lse.dtype == torch.float32
-    grads = ring._block_attention_backward(kernel, grad, q, k, v, out, lse, True, state)
+    grads = blocks.block_attention_backward(kernel, grad, q, k, v, out, lse, True, state)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
 
 def test_ring_block_kernel_choice():
-    assert ring.choose_block_kernel(torch.zeros(1, 4, 2, 8)) == "flash_cpu"
-    assert ring.choose_block_kernel(torch.zeros(1, 4, 2, 8, device="meta")) == "math"
+    assert blocks.choose_block_kernel(torch.zeros(1, 4, 2, 8)) == "flash_cpu"
+    assert blocks.choose_block_kernel(torch.zeros(1, 4, 2, 8, device="meta")) == "math"
     q = torch.zeros(1, 4, 2, 8)
     message = "unknown ring attention block kernel 'efficient'.*cudnn, flash, flash_cpu, math"
     with pytest.raises(ValueError, match=message):
@@ -256,7 +257,7 @@ def _gpu_ring_worker(rank: int, out_dir: str) -> None:
                 actual = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
                 expected = {name: shard_sequence(t, 2, rank) for name, t in expected.items()}
                 errors = {name: _norm_relative_error(actual[name], expected[name]) for name in expected}
-                results[f"{case}/{run}"] = {"kernel": kernel or ring.choose_block_kernel(local[0]), "errors": errors}
+                results[f"{case}/{run}"] = {"kernel": kernel or blocks.choose_block_kernel(local[0]), "errors": errors}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     finally:
         dist.destroy_process_group()
