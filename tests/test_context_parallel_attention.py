@@ -185,7 +185,7 @@ def test_blocks_merged_by_lse_give_full_attention_and_exact_gradients(kernel):
     first, second = (slice(0, 5), slice(5, 12))
     out, lse, state = blocks.block_attention(kernel, q, k[:, first], v[:, first], False)
     out = out.float().contiguous()
-    ring._merge_into(out, lse, *blocks.block_attention(kernel, q, k[:, second], v[:, second], False)[:2])
+    blocks.merge_into(out, lse, *blocks.block_attention(kernel, q, k[:, second], v[:, second], False)[:2])
     full = [t.double().requires_grad_() for t in (q, k, v)]
     expected_out, expected_lse = _math_block(*full, causal=False)
     expected_out.backward(grad.double())
