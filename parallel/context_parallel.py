@@ -4,17 +4,19 @@ Causal load balancing: the sequence is cut into 2*cp chunks and cp rank i holds 
 2*cp-1-i (in that order), so every rank has one early (cheap) and one late (costly) chunk of queries
 and all ranks do the same attention work. Three ways to attend over the whole sequence:
 
-- allgather: gather every rank's K/V, attend with per-chunk causal masks; backward reduce-scatters dK/dV.
+- allgather: gather every rank's K/V; each query chunk attends to the chunks before it in one block
+  and to itself causally, merged by log-sum-exp; backward reduce-scatters dK/dV.
 - ring (parallel/ring_attention.py): K/V blocks travel round the ring while the previous block is
   attended to; partial results merge by log-sum-exp; in backward dK/dV travel round the ring with them
   back to their owner.
 - a2a (Ulysses): all-to-all from sequence shards to head shards, full causal attention, all-to-all back.
 
 torch's own `context_parallel()` only intercepts CUDA SDPA ops (TORCH-NOTES.md), hence this module: it
-runs on CPU (what the tests check) and on CUDA through SDPA limited to the cuDNN, flash and math
-kernels. The memory-efficient kernel is never allowed: it gives wrong dq/dk under load-balanced
-context parallelism. The ring calls the fused kernels that also return each block's log-sum-exp
-(cuDNN or flash on CUDA, the CPU flash kernel on CPU; fp32 math where none fits).
+runs on CPU (what the tests check) and on CUDA. The all-gather and ring methods call the fused
+kernels that also return each block's log-sum-exp (parallel/attention_blocks.py: cuDNN or flash on
+CUDA, the CPU flash kernel on CPU; fp32 math where none fits); a2a runs SDPA limited to the cuDNN,
+flash and math kernels. The memory-efficient kernel is never allowed: it gives wrong dq/dk under
+load-balanced context parallelism.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from models.errors import UserError
+from parallel.attention_blocks import block_attention, block_attention_backward, choose_block_kernel, merge_into
 from parallel.ring_attention import ring_attention
 
 CP_METHODS = ("allgather", "ring", "a2a")
@@ -77,13 +79,11 @@ def _kernel_choice(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _sdpa(q, k, v, *, mask: CausalBias | None = None, is_causal: bool = False) -> torch.Tensor:
-    """SDPA on [batch, seq, heads, head_dim] tensors, GQA by head groups, never the efficient kernel."""
+def _causal_sdpa(q, k, v) -> torch.Tensor:
+    """Causal SDPA on [batch, seq, heads, head_dim] tensors, GQA by head groups, never the efficient kernel."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     with _kernel_choice(q.device):
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=k.shape[1] != q.shape[1]
-        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
 
@@ -103,18 +103,52 @@ def _allgather_attention(q, k, v, group, cp_size: int) -> torch.Tensor:
     kv_global = gathered.index_select(1, torch.argsort(_rank_major_positions(seq_len, cp_size, q.device)))
     k_all, v_all = kv_global.split(kv_heads, dim=2)
 
-    # This rank's queries are chunks `rank` and `2 * cp - 1 - rank` of the sequence. Their ends are
-    # plain integers: no tensor is read, so nothing syncs and torch.compile sees one graph.
-    rank, chunk = dist.get_rank(group), local_seq // 2
-    outputs = []
-    for q_chunk, chunk_index in zip(q.split(chunk, dim=1), (rank, 2 * cp_size - 1 - rank)):
-        # Keys past the chunk's last query are masked for all of it: leave them out of the kernel.
-        # What remains is causal aligned to the bottom right: query i sees keys up to i + visible - chunk,
-        # which flash runs natively on CUDA; on CPU the bias becomes a boolean mask for math attention.
-        visible = (chunk_index + 1) * chunk
-        mask = causal_lower_right(chunk, visible)
-        outputs.append(_sdpa(q_chunk, k_all[:, :visible], v_all[:, :visible], mask=mask))
-    return torch.cat(outputs, dim=1)
+    # This rank's queries are chunks `rank` and `2 * cp - 1 - rank` of the sequence.
+    rank = dist.get_rank(group)
+    return _ChunksOverGatheredKV.apply(q, k_all, v_all, (rank, 2 * cp_size - 1 - rank), choose_block_kernel(q))
+
+
+class _ChunksOverGatheredKV(torch.autograd.Function):
+    """This rank's two query chunks over the whole sequence's K/V (in global order). Query chunk c
+    sees the keys of chunks 0..c-1 in full (one block) and its own chunk causally (the diagonal
+    block); keys past it are left out. The blocks run fused kernels (cuDNN on Hopper) and merge by
+    log-sum-exp; backward gives each block's kernel the merged output and log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k_all, v_all, chunk_indices: tuple[int, int], kernel: str):
+        chunk = q.shape[1] // 2
+        outputs, lses, state = [], [], None
+        for half, index in enumerate(chunk_indices):
+            q_chunk, start = q[:, half * chunk:(half + 1) * chunk], index * chunk
+            diagonal = slice(start, start + chunk)
+            out, lse, state = block_attention(kernel, q_chunk, k_all[:, diagonal], v_all[:, diagonal], causal=True)
+            out = out.to(lse.dtype).contiguous()  # merged in the lse's precision
+            if start:
+                past = block_attention(kernel, q_chunk, k_all[:, :start], v_all[:, :start], causal=False)
+                merge_into(out, lse, *past[:2])
+            outputs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outputs, dim=1).to(q.dtype), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        ctx.chunk_indices, ctx.kernel, ctx.state = chunk_indices, kernel, state
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        chunk = q.shape[1] // 2
+        # fp32 (or better) accumulators: a key's gradient sums blocks of both query chunks.
+        grad_q, grad_k, grad_v = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (q, k_all, v_all))
+        for half, index in enumerate(ctx.chunk_indices):
+            rows, start = slice(half * chunk, (half + 1) * chunk), index * chunk
+            blocks = [(slice(start, start + chunk), True)] + ([(slice(0, start), False)] if start else [])
+            for keys, causal in blocks:
+                dq, dk, dv = block_attention_backward(ctx.kernel, grad_out[:, rows], q[:, rows], k_all[:, keys],
+                                                      v_all[:, keys], out[:, rows], lse[:, :, rows], causal, ctx.state)
+                grad_q[:, rows] += dq
+                grad_k[:, keys] += dk
+                grad_v[:, keys] += dv
+        return grad_q.to(q.dtype), grad_k.to(k_all.dtype), grad_v.to(v_all.dtype), None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +178,7 @@ def _a2a_attention(q, k, v, group, cp_size: int) -> torch.Tensor:
     rank_major = _rank_major_positions(seq_len, cp_size, q.device)
     received = received.index_select(1, torch.argsort(rank_major))
     q_heads, k_heads, v_heads = received.split([heads // cp_size, kv_heads // cp_size, kv_heads // cp_size], dim=2)
-    out = _sdpa(q_heads, k_heads, v_heads, is_causal=True)  # [batch, seq, heads / cp, head_dim]
+    out = _causal_sdpa(q_heads, k_heads, v_heads)  # [batch, seq, heads / cp, head_dim]
 
     out = out.index_select(1, rank_major).reshape(batch, cp_size, local_seq, heads // cp_size, head_dim)
     out = funcol.all_to_all_single_autograd(out.transpose(0, 1).contiguous(), None, None, group)
@@ -174,7 +208,7 @@ def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str
             f"local sequence length {q.shape[1]} is odd; the sequence must be a multiple of 2 x cp = {2 * cp_size}"
         )
     if cp_size == 1:  # one rank holds chunks 0 and 1: the sequence in its own order
-        return _sdpa(q, k, v, is_causal=True)
+        return _causal_sdpa(q, k, v)
     if method == "allgather":
         return _allgather_attention(q, k, v, group, cp_size)
     if method == "a2a":

@@ -220,14 +220,17 @@ def test_ring_block_kernel_choice():
 
 
 # ---------------------------------------------------------------------------------------------
-# Ring on 2 GPUs (NCCL) in bf16 with each fused kernel forced, against full fp32 attention.
+# On 2 GPUs (NCCL): the ring in bf16 with each fused kernel forced, and every method with the
+# automatic choice, against full fp32 attention.
 
 GPU_CASES = {"gqa": (2, 2048, 8, 2, 128), "mha": (1, 1024, 4, 4, 64)}  # batch, seq, heads, kv_heads, head_dim
-GPU_RUNS = {  # name -> (kernel or None for the automatic choice, dtype, relative error bound)
-    "cudnn": ("cudnn", torch.bfloat16, 2e-2),
-    "flash": ("flash", torch.bfloat16, 2e-2),
-    "auto_bf16": (None, torch.bfloat16, 2e-2),
-    "auto_fp32": (None, torch.float32, 1e-4),
+GPU_RUNS = {  # name -> (method, ring kernel or None for the automatic choice, dtype, relative error bound)
+    "cudnn": ("ring", "cudnn", torch.bfloat16, 2e-2),
+    "flash": ("ring", "flash", torch.bfloat16, 2e-2),
+    "auto_bf16": ("ring", None, torch.bfloat16, 2e-2),
+    "auto_fp32": ("ring", None, torch.float32, 1e-4),
+    "allgather_bf16": ("allgather", None, torch.bfloat16, 2e-2),
+    "a2a_bf16": ("a2a", None, torch.bfloat16, 2e-2),
 }
 
 
@@ -244,7 +247,7 @@ def _gpu_ring_worker(rank: int, out_dir: str) -> None:
     try:
         for seed, (case, shape) in enumerate(GPU_CASES.items()):
             q, k, v, grad = cp_attention._random_inputs(*shape, seed, device, torch.float32)
-            for run, (kernel, dtype, _) in GPU_RUNS.items():
+            for run, (method, kernel, dtype, _) in GPU_RUNS.items():
                 # The reference is fp32 math attention of the same dtype-rounded inputs, on one GPU.
                 full = [t.to(dtype).to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]
                 with sdpa_kernel(SDPBackend.MATH):
@@ -252,7 +255,10 @@ def _gpu_ring_worker(rank: int, out_dir: str) -> None:
                 reference.backward(grad.to(dtype).float())
                 expected = {"out": reference.detach(), "dq": full[0].grad, "dk": full[1].grad, "dv": full[2].grad}
                 local = [shard_sequence(t.to(dtype), 2, rank).requires_grad_() for t in (q, k, v)]
-                out = ring.ring_attention(*local, group, kernel=kernel)
+                if method == "ring":
+                    out = ring.ring_attention(*local, group, kernel=kernel)
+                else:
+                    out = context_parallel_attention(*local, group=group, method=method)
                 out.backward(shard_sequence(grad.to(dtype), 2, rank))
                 actual = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
                 expected = {name: shard_sequence(t, 2, rank) for name, t in expected.items()}
@@ -265,14 +271,14 @@ def _gpu_ring_worker(rank: int, out_dir: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_ring_on_two_gpus_with_each_fused_kernel(tmp_path):
+def test_context_parallel_on_two_gpus_in_bf16(tmp_path):
     mp.spawn(_gpu_ring_worker, args=(str(tmp_path),), nprocs=2, join=True)
     failures = []
     for rank in range(2):
         for name, result in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
             run, kernel, errors = name.split("/")[1], result["kernel"], result["errors"]
             print(f"rank {rank} {name} ({kernel}): " + ", ".join(f"{key} {error:.2e}" for key, error in errors.items()))
-            bound = GPU_RUNS[run][2]
+            bound = GPU_RUNS[run][3]
             failures += [f"rank {rank} {name} {key} {e:.2e} > {bound}" for key, e in errors.items() if e > bound]
             if run == "auto_bf16" and kernel not in ("cudnn", "flash"):
                 failures.append(f"bf16 on a GPU chose the {kernel} block kernel, not cuDNN or flash")
