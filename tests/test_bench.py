@@ -68,3 +68,23 @@ def test_readme_gets_the_newest_run_of_each_setup_between_its_markers(tmp_path):
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "stale" not in text
     assert "2,000" in text and "1,000" not in text  # the same setup: only the newer run
+
+
+def test_suite_runs_the_cpu_setup_and_appends_its_json_line(tmp_path):
+    out = tmp_path / "results.jsonl"
+    out.write_text('{"earlier": "run"}\n')
+    result = run_cli(["--gpus", "0", "--out", str(out)], module="tools.bench_suite")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["shape"] == "tiny"
+    assert "cpu tiny" in result.stdout and "tok/s/GPU" in result.stdout
+
+
+def test_suite_selects_by_gpu_count_and_name():
+    from tools import bench_suite
+
+    on_one = bench_suite.selected(1, [])
+    assert on_one and all(bench_suite.SUITE[name][0] == 1 and not name.startswith("cpu") for name in on_one)
+    assert bench_suite.selected(0, []) == ["cpu tiny"]
+    cp_runs = bench_suite.selected(2, ["cp="])
+    assert cp_runs and all("cp=" in name for name in cp_runs)

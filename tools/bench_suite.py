@@ -1,0 +1,131 @@
+"""Runs the benchmark setups behind the README table, one `tools.bench` process each, and appends
+their JSON lines to a results file:
+
+    python -m tools.bench_suite --gpus 2 --out benchmarks/results.jsonl [--only cp= pp=] [--budget 540]
+    python -m tools.bench --table benchmarks/results.jsonl --readme README.md
+
+`--list` shows the setups. A setup runs when the machine has the GPUs it needs (`--gpus`); with
+`--only`, when its name contains one of the given strings. `--budget` stops starting new setups
+after that many seconds, so a time-limited machine returns what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STEPS = ["--steps", "14", "--warmup", "4"]
+LONG = ["--seq-len", "32768", "--micro-batch", "1"]
+PP = ["--mesh", "pp=2", "--micro-batch", "1"]
+
+# name -> (processes, tools.bench arguments); "cpu" setups run without GPUs (a smoke test).
+SUITE: dict[str, tuple[int, list[str]]] = {
+    "cpu tiny": (1, ["--shape", "tiny", "--steps", "3", "--warmup", "1", "--", "--precision", "fp32"]),
+    "llama-1b single": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile"]),
+    "llama-1b single fp8": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile", "--fp8", "tensorwise"]),
+    "llama-1b single seq 32768": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile", *LONG]),
+    "llama-1b dp=2": (2, ["--shape", "llama-1b", *STEPS, "--", "--compile", "--mesh", "dp=2"]),
+    "llama-1b tp=2": (2, ["--shape", "llama-1b", *STEPS, "--", "--compile", "--mesh", "tp=2"]),
+    "llama-1b tp=2 sp": (2, ["--shape", "llama-1b", *STEPS, "--", "--compile", "--mesh", "tp=2", "--sequence-parallel"]),
+    **{f"llama-1b pp=2 {schedule} m={m}": (2, ["--shape", "llama-1b", *STEPS, "--", "--compile", *PP,
+                                               "--global-batch", str(m), "--pp-schedule", schedule,
+                                               *(["--pp-virtual-stages", "2"] if schedule in ("interleaved-1f1b",
+                                                                                            "looped-bfs") else [])])
+       for schedule in ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs") for m in (8, 16)},
+    **{f"llama-1b cp=2 {method} seq 32768": (2, ["--shape", "llama-1b", *STEPS, "--", "--compile",
+                                                 "--mesh", "cp=2", "--cp-comm", method, *LONG])
+       for method in ("allgather", "ring", "a2a")},
+    "llama-8b dp=2": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2"]),
+    "llama-8b dp=2 fp8": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2", "--fp8", "tensorwise"]),
+    "llama-8b tp=2 sp": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "tp=2", "--sequence-parallel",
+                             "--recompute", "selective"]),
+    "mixtral-small dp=2": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile", "--mesh", "dp=2",
+                               "--global-batch", "16"]),
+    "mixtral-small dp=2,ep=2": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile", "--mesh", "dp=2,ep=2",
+                                    "--global-batch", "16"]),
+}
+
+
+def command(processes: int, bench_args: list[str]) -> list[str]:
+    if processes == 1:
+        return [sys.executable, "-m", "tools.bench", *bench_args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+            "-m", "tools.bench", *bench_args]
+
+
+def selected(gpus: int, only: list[str]) -> list[str]:
+    names = []
+    for name, (processes, _) in SUITE.items():
+        runs_here = name.startswith("cpu") if gpus == 0 else (not name.startswith("cpu") and processes <= gpus)
+        if runs_here and (not only or any(part in name for part in only)):
+            names.append(name)
+    return names
+
+
+def run_suite(names: list[str], out: Path, budget: float, timeout: float) -> list[tuple[str, str]]:
+    """Runs each setup; appends its JSON line to `out`; returns (name, outcome) pairs."""
+    start, outcomes = time.monotonic(), []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name in names:
+        if time.monotonic() - start > budget:
+            outcomes.append((name, "not started: over --budget"))
+            continue
+        processes, bench_args = SUITE[name]
+        run_dir = ["--run-dir", f"runs/suite-{name.replace(' ', '-').replace('=', '')}"]
+        try:
+            result = subprocess.run(command(processes, [*bench_args, *run_dir]), capture_output=True, text=True,
+                                    timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            outcomes.append((name, f"stopped after {timeout:.0f} s"))
+            continue
+        lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+        if result.returncode != 0 or not lines:
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            outcomes.append((name, f"failed (exit {result.returncode}): {last[:200]}"))
+            continue
+        with out.open("a") as f:
+            f.write(lines[-1] + "\n")
+        row = json.loads(lines[-1])
+        mfu = f"{row['mfu_pct']}% MFU, " if row["mfu_pct"] is not None else ""
+        outcomes.append((name, f"{row['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, {mfu}{row['peak_mem_gb']} GB"))
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_suite", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs on this machine (default: as torch sees)")
+    parser.add_argument("--only", nargs="*", default=[], help="run only setups whose name contains one of these")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results.jsonl"))
+    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no setup starts")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one setup may run")
+    parser.add_argument("--list", action="store_true", help="print the setups that would run, and exit")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    gpus = args.gpus
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    names = selected(gpus, args.only)
+    if not names:
+        raise SystemExit(f"error: no setup matches --gpus {gpus} and --only {' '.join(args.only) or '(all)'}; "
+                         f"see --list with --gpus 2")
+    if args.list:
+        for name in names:
+            processes, bench_args = SUITE[name]
+            print(f"{name}: {' '.join(command(processes, bench_args)[1:])}")
+        return 0
+    outcomes = run_suite(names, args.out, args.budget, args.timeout)
+    width = max(len(name) for name, _ in outcomes)
+    for name, outcome in outcomes:
+        print(f"{name:<{width}}  {outcome}")
+    return 0 if all("failed" not in outcome for _, outcome in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
