@@ -11,10 +11,18 @@ from tests.launch import train_scalars
 BF16 = ["--precision", "bf16"]
 
 
+@pytest.fixture(scope="module")
+def bf16_losses(tmp_path_factory):
+    return train_scalars(tmp_path_factory.mktemp("bf16"), BF16)["train/loss"]
+
+
 @pytest.mark.slow
-def test_fp8_tracks_bf16_loss(tmp_path):
-    bf16 = train_scalars(tmp_path / "bf16", BF16)["train/loss"]
-    fp8 = train_scalars(tmp_path / "fp8", [*BF16, "--fp8", "tensorwise"])["train/loss"]
+@pytest.mark.parametrize("mesh", ["", "tp=2"])
+def test_fp8_tracks_bf16_loss(tmp_path, bf16_losses, mesh):
+    """FP8 in the blocks, alone and with tensor parallelism (DTensor weights in the FP8 matmuls)."""
+    bf16 = bf16_losses
+    nproc = 2 if mesh else 1
+    fp8 = train_scalars(tmp_path, [*BF16, "--fp8", "tensorwise", "--mesh", mesh], nproc=nproc)["train/loss"]
     assert fp8 != bf16, "the FP8 run computed exactly the bf16 losses: FP8 was not used"
     for step, (a, e) in enumerate(zip(fp8, bf16), 1):
         assert abs(a - e) <= 0.05 * e, f"step {step}: fp8 loss {a} vs bf16 {e}"
