@@ -115,3 +115,31 @@ def test_projections_are_separate_matmuls_unless_asked(monkeypatch):
     monkeypatch.setattr(LocalContext, "_concatenated_linear", lambda *a: pytest.fail("fused by default"))
     for got, w in zip(LocalContext().linear_many(x, weights), weights):
         torch.testing.assert_close(got, F.linear(x, w), rtol=0, atol=0)
+
+
+def _train_in_process(tmp_path, extra: list[str]) -> list[dict[str, float]]:
+    from dtrain import distributed
+    from dtrain.config import load_config
+    from dtrain.train import with_global_batch
+    from dtrain.trainer import Trainer
+    from tests.launch import TINY_ARGS
+
+    config = with_global_batch(load_config([*TINY_ARGS, "--steps", "3", "--run-dir", str(tmp_path), *extra]), 1)
+    runtime = distributed.init_process_group()
+    try:
+        return Trainer(config, runtime).fit()
+    finally:
+        distributed.shutdown()
+
+
+def test_fuse_projections_flag_trains_like_separate_matmuls(tmp_path, monkeypatch):
+    separate = _train_in_process(tmp_path / "separate", [])
+    calls = []
+    concatenated = LocalContext._concatenated_linear
+    monkeypatch.setattr(LocalContext, "_concatenated_linear",
+                        lambda self, x, w: calls.append(len(w)) or concatenated(self, x, w))
+    fused = _train_in_process(tmp_path / "fused", ["--fuse-projections"])
+    assert calls and set(calls) == {2, 3}  # gate/up and q/k/v
+    for a, b in zip(separate, fused):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
