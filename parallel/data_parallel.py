@@ -13,16 +13,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from parallel import precision
-from parallel.mesh import FSDP_SHARD_DIM
+from parallel.mesh import fsdp_shard_dim
 from parallel.modules import ModelModule
 from parallel.plan import Plan
 
 
 def data_parallel_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
-    """dp_shard x cp (flattened), with dp_replicate in front for HSDP."""
+    """dp_shard x cp (see `fsdp_shard_dim`), with dp_replicate in front for HSDP."""
+    shard = fsdp_shard_dim(plan.mesh_spec)
     if plan.mesh_spec.dp_replicate > 1:
-        return mesh["dp_replicate", FSDP_SHARD_DIM]
-    return mesh[FSDP_SHARD_DIM]
+        return mesh["dp_replicate", shard]
+    return mesh[shard]
 
 
 def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, policy) -> None:

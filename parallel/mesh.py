@@ -96,11 +96,20 @@ FSDP_SHARD_DIM = "dp_shard_cp"
 
 
 def build_device_mesh(spec: MeshSpec, device_type: str) -> DeviceMesh:
-    """The named mesh over the default process group, every dim present (size-1 dims included),
-    plus the flattened dim `dp_shard_cp` that FSDP shards over."""
+    """The named mesh over the default process group, every dim present (size-1 dims included).
+    When dp_shard and cp both split, also the flattened dim `dp_shard_cp` that FSDP shards over."""
     mesh = init_device_mesh(device_type, tuple(spec.sizes().values()), mesh_dim_names=MESH_DIMS)
-    mesh["dp_shard", "cp"]._flatten(FSDP_SHARD_DIM)
+    if spec.dp_shard > 1 and spec.cp > 1:
+        mesh["dp_shard", "cp"]._flatten(FSDP_SHARD_DIM)
     return mesh
+
+
+def fsdp_shard_dim(spec: MeshSpec) -> str:
+    """The mesh dim FSDP shards over: dp_shard x cp. A plain dim where one of them is 1: torch
+    deprecates slicing a flattened dim from the root mesh, so only dp_shard x cp needs it."""
+    if spec.cp == 1:
+        return "dp_shard"
+    return "cp" if spec.dp_shard == 1 else FSDP_SHARD_DIM
 
 
 # Expert parallelism borrows ranks from dp_shard x cp: the same ranks seen as (edp, ep), ep

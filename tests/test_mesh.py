@@ -131,3 +131,23 @@ def test_build_device_mesh_order_tp_innermost(fake_world):
         assert [name for name, a, b in zip(mesh.mesh_dim_names, c0, c4) if a != b] == ["pp"]
         assert mesh["tp"].size() == 2 and mesh["pp"].size() == 2 and mesh["dp_shard"].size() == 2
         assert mesh["cp"].size() == 1 and mesh["dp_replicate"].size() == 1
+
+
+@pytest.mark.parametrize("text,names,sizes", [
+    ("dp=4", ("dp_shard",), (4,)),
+    ("cp=4", ("cp",), (4,)),
+    ("dp=2,cp=2", ("dp_shard_cp",), (4,)),
+    ("dp_replicate=2,dp_shard=2", ("dp_replicate", "dp_shard"), (2, 2)),
+    ("dp_replicate=2,cp=2", ("dp_replicate", "cp"), (2, 2)),
+])
+def test_fsdp_mesh_is_dp_shard_times_cp(fake_world, recwarn, text, names, sizes):
+    from parallel.data_parallel import data_parallel_mesh
+    from parallel.plan import Plan
+
+    with fake_world(4):
+        spec = MeshSpec.parse(text, 4)
+        dp_mesh = data_parallel_mesh(build_device_mesh(spec, "cpu"), Plan.build(spec))
+        assert dp_mesh.mesh_dim_names == names and tuple(dp_mesh.mesh.shape) == sizes
+    # Only a mesh that splits both dp_shard and cp slices the flattened dim (which torch deprecates).
+    flattened = [w for w in recwarn if "flattened dim" in str(w.message)]
+    assert bool(flattened) == (names == ("dp_shard_cp",))
