@@ -61,6 +61,8 @@ class Trainer:
         # interleaved schedules) are `model_parts`.
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else None
         self.expert_params = expert_parameters(self.model_parts, self.plan)
+        # Weights FSDP gathers in float8 get their scales from the updated values after each step.
+        self.refresh_float8_scales = bool(precision.float8_gathered_params(self.model_parts))
         self.optimizer = build_optimizer(self.model_parts, config.optim)
         self.scheduler = build_scheduler(self.optimizer, t.steps, config.optim)
         self.checkpointer = Checkpointer(self)
@@ -208,7 +210,8 @@ class Trainer:
         grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
-        precision.after_optimizer_step(self.model_parts)
+        if self.refresh_float8_scales:
+            precision.after_optimizer_step(self.model_parts)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         for group in self.loss_groups:

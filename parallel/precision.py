@@ -165,8 +165,8 @@ def wrap_for_float8_all_gather(model: nn.Module, mesh_spec: MeshSpec, device_typ
     return wrapped
 
 
-def _float8_all_gather_params(model_parts) -> list[DTensor]:
-    # No torchao float8 import, no wrapped weights: a cheap no-op for every other run.
+def float8_gathered_params(model_parts) -> list[DTensor]:
+    """The parameters FSDP all-gathers in float8 (none without a torchao float8 import)."""
     fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")
     if fsdp_utils is None:
         return []
@@ -181,7 +181,7 @@ def after_optimizer_step(model_parts) -> None:
     one all-reduce; used by the next all-gathers (forward, and backward's re-gather). The same
     computation as torchao's `precompute_float8_dynamic_scale_for_fsdp`, which finds weights
     only on its own Float8Linear modules. A no-op when no weight is gathered in float8."""
-    from_float8 = _float8_all_gather_params(model_parts)
+    from_float8 = float8_gathered_params(model_parts)
     if not from_float8:
         return
     from torchao.float8.float8_utils import EPS

@@ -27,7 +27,7 @@ def recording_call(self, x, weight):
 
 def checking_after_step(model_parts):
     _after_step(model_parts)
-    params = precision._float8_all_gather_params(model_parts)
+    params = precision.float8_gathered_params(model_parts)
     if not params:
         return
     counts["precomputed_steps"] += 1
