@@ -131,13 +131,12 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
     return result
 
 
-def _options(row: dict) -> list[str]:
-    """The run's dtrain flags that change what is measured (not the mesh, shown apart, nor where
-    the run wrote its files)."""
+def _options(row: dict, leave_out: tuple[str, ...] = ("--mesh", "--run-dir")) -> list[str]:
+    """The run's dtrain flags that change what is measured, without the flags in `leave_out` and
+    their values (by default the mesh, shown apart, and where the run wrote its files)."""
     args, kept = row["args"], []
-    skip = {"--mesh", "--run-dir"}
     for i, arg in enumerate(args):
-        if arg in skip or (i > 0 and args[i - 1] in skip):
+        if arg in leave_out or (i > 0 and args[i - 1] in leave_out):
             continue
         kept.append(arg)
     return kept
@@ -166,7 +165,7 @@ def table(path: Path) -> str:
     return "\n".join(lines)
 
 
-def _option(args: list[str], flag: str, default: str) -> str:
+def _flag_value(args: list[str], flag: str, default: str) -> str:
     return args[args.index(flag) + 1] if flag in args else default
 
 
@@ -181,7 +180,7 @@ def bubbles(path: Path) -> str:
         spec = MeshSpec.parse(r["mesh"] if r["mesh"] != "single" else "", r["gpus"])
         if spec.pp == 1:
             continue
-        args = [a for a in r["args"] if a != "--global-batch" and a != str(r["global_batch"])]
+        args = _options(r, leave_out=("--mesh", "--run-dir", "--global-batch"))
         m = r["global_batch"] // (r["micro_batch"] * spec.dp_size)
         runs[(r["shape"], r["mesh"], r["micro_batch"], " ".join(args), m)] = (r, spec)
     lines = ["| shape | mesh | schedule | stages/rank | micro-batches m | step time (m) | step time (2m) | "
@@ -193,8 +192,8 @@ def bubbles(path: Path) -> str:
         t_m, t_2m = r["median_step_s"], double[0]["median_step_s"]
         per_micro_batch = (t_2m - t_m) / m
         measured = 1 - m * per_micro_batch / t_m
-        schedule = _option(r["args"], "--pp-schedule", "1f1b")
-        v = int(_option(r["args"], "--pp-virtual-stages", "1"))
+        schedule = _flag_value(r["args"], "--pp-schedule", "1f1b")
+        v = int(_flag_value(r["args"], "--pp-virtual-stages", "1"))
         p = spec.pp
         ideal = (p - 1) / (v * m + p - 1)
         lines.append(f"| {shape} | {mesh} | {schedule} | {v} | {m} | {t_m:.3f} s | {t_2m:.3f} s | "
