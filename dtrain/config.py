@@ -32,6 +32,10 @@ class ParallelArgs:
                                    "--sequence-parallel and CUDA)")
     cp_comm: str = _field("allgather", "context-parallel attention: all-gather K/V, a ring of K/V "
                           "blocks, or all-to-all to head shards (Ulysses)", choices=("allgather", "ring", "a2a"))
+    fsdp_reshard_after_forward: str = _field(
+        "default", "free each block's gathered parameters after its forward (always), keep them until its "
+                   "backward (never: more memory, no backward all-gather), or default: always except the last "
+                   "block and under pipelining", choices=("default", "always", "never"))
     pp_schedule: str = _field("1f1b", "pipeline schedule",
                               choices=("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb", "zbv"))
     pp_virtual_stages: int = _field(1, "pipeline stages per rank (interleaved and V schedules)")
@@ -79,8 +83,9 @@ class TrainArgs:
     fp8: str | None = _field(None, "FP8 matmuls in the blocks (torchao recipes; on CPUs and pre-Hopper GPUs "
                                    "the casts are emulated)", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
     fp8_backend: str = _field("torchao", "FP8 implementation", choices=("torchao", "te"))
-    fp8_keep_ends: bool = _field(False, "keep the first and last blocks in bf16 under --fp8 (the output head "
-                                        "always is)")
+    fp8_keep_ends: bool = _field(False, "keep the first and last blocks in bf16 under --fp8")
+    fp8_head: bool = _field(False, "under --fp8, run the output projection in FP8 too (bf16 by default: its "
+                                   "logits feed the loss directly)")
     fp8_all_gather: bool = _field(True, "under --fp8 tensorwise with FSDP over CUDA GPUs and tp=1, all-gather the "
                                         "FP8 blocks' matmul weights in float8 (half the bytes of bf16)")
     compile: bool = _field(False, "torch.compile each transformer block")

@@ -99,12 +99,16 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
     t, p, tp = config.train, config.parallel, mesh_spec.tp
     if p.async_tp and not (t.compile and p.sequence_parallel and tp > 1 and torch.cuda.is_available()):
         raise UserError("--async-tp needs --compile, --sequence-parallel, a mesh with tp > 1 and CUDA GPUs")
+    if t.fp8_head and t.fp8 is None:
+        raise UserError("--fp8-head runs the output projection in FP8; give --fp8 RECIPE with it")
     if t.fp8 is not None:
         if t.precision != "bf16":
             raise UserError(f"--fp8 runs the other ops in bf16; use --precision bf16, not {t.precision}")
         hd = model_cfg.head_dim
         ffn = model_cfg.expert_ffn_dim if isinstance(model_cfg, MoEConfig) else model_cfg.ffn_dim
         split_dims = [model_cfg.num_heads * hd, model_cfg.num_kv_heads * hd, ffn]
+        if t.fp8_head:
+            split_dims.append(model_cfg.vocab_size)
         precision.validate_fp8(t.fp8, t.fp8_backend, [model_cfg.dim] + [dim // tp for dim in split_dims])
     for name, path in (("--resume", t.resume if t.resume != "latest" else None), ("--init-from-hf", t.init_from_hf)):
         if path is not None and not Path(path).exists():

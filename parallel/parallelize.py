@@ -20,7 +20,8 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
                 seed: int, compute_dtype: torch.dtype, recompute_mode: str = "none",
                 compile_blocks: bool = False, async_tp: bool = False,
                 cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None,
-                fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fuse_projections: bool = False,
+                fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fp8_head: bool = False,
+                fuse_projections: bool = False, reshard_mode: str = "default",
                 ) -> tuple[ModelModule, ParallelContext]:
     ctx = ParallelContext(plan, mesh, cp_method, expert_mesh)
     ctx.fuse_projections = fuse_projections
@@ -44,11 +45,14 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
         block.forward_fn = recompute.wrap(block.forward_fn, recompute_mode)
         if compile_blocks:
             block.forward_fn = torch.compile(block.forward_fn)
+    if fp8_linear is not None and fp8_head and model.head is not None:
+        model.head.ctx = ctx.with_fp8(fp8_linear)
     if compile_blocks and model.head is not None:
         # Final norm, output projection and loss in one graph: the cross-entropy over the vocab
         # fuses into a few passes instead of materialising fp32 logits.
         model.head.forward_fn = torch.compile(model.head.forward_fn)
-    data_parallel.apply_fsdp(model, mesh, plan, compute_dtype=compute_dtype, expert_mesh=expert_mesh)
+    data_parallel.apply_fsdp(model, mesh, plan, compute_dtype=compute_dtype, expert_mesh=expert_mesh,
+                             reshard_mode=reshard_mode)
     model.to_empty(device=device)
     init_parameters(model, seed)
     return model, ctx

@@ -16,14 +16,25 @@ def bf16_losses(tmp_path_factory):
     return train_scalars(tmp_path_factory.mktemp("bf16"), BF16)["train/loss"]
 
 
+_FP8_BLOCK_LOSSES: dict[str, list[float]] = {}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["", "tp=2"])
-def test_fp8_tracks_bf16_loss(tmp_path, bf16_losses, mesh):
-    """FP8 in the blocks, alone and with tensor parallelism (DTensor weights in the FP8 matmuls)."""
+@pytest.mark.parametrize("mesh,head", [("", False), ("tp=2", False), ("", True), ("tp=2", True)])
+def test_fp8_tracks_bf16_loss(tmp_path, bf16_losses, mesh, head):
+    """FP8 in the blocks, then in the output head too, alone and with tensor parallelism (DTensor
+    weights in the FP8 matmuls; the head's weight split over the vocabulary)."""
     bf16 = bf16_losses
     nproc = 2 if mesh else 1
-    fp8 = train_scalars(tmp_path, [*BF16, "--fp8", "tensorwise", "--mesh", mesh], nproc=nproc)["train/loss"]
+    blocks_only = [*BF16, "--fp8", "tensorwise", "--mesh", mesh]
+    fp8 = train_scalars(tmp_path, [*blocks_only, *(["--fp8-head"] if head else [])], nproc=nproc)["train/loss"]
     assert fp8 != bf16, "the FP8 run computed exactly the bf16 losses: FP8 was not used"
+    if head:
+        if mesh not in _FP8_BLOCK_LOSSES:
+            _FP8_BLOCK_LOSSES[mesh] = train_scalars(tmp_path / "blocks", blocks_only, nproc=nproc)["train/loss"]
+        assert fp8 != _FP8_BLOCK_LOSSES[mesh], "--fp8-head changed no loss: the head stayed in bf16"
+    else:
+        _FP8_BLOCK_LOSSES[mesh] = fp8
     for step, (a, e) in enumerate(zip(fp8, bf16), 1):
         assert abs(a - e) <= 0.05 * e, f"step {step}: fp8 loss {a} vs bf16 {e}"
 
@@ -46,6 +57,8 @@ def test_fp8_linear_matches_matmul_within_fp8_error(recipe):
     (["--fp8", "tensorwise", "--precision", "fp32"], "use --precision bf16"),
     (["--fp8", "tensorwise", "--model-overrides", "dim=72,ffn_dim=200"], "multiple of 16"),
     (["--fp8", "tensorwise", "--fp8-backend", "te"], "--fp8-backend te"),
+    (["--fp8-head"], "give --fp8 RECIPE"),
+    (["--fp8", "tensorwise", "--fp8-head", "--model-overrides", "vocab_size=2040"], "[2040]"),
 ])
 def test_bad_fp8_settings(extra, message, capsys):
     assert main(["--model", "tiny", *extra, "--print-plan"]) == 2
