@@ -65,26 +65,40 @@ def rescale_expert_grads_(expert_params: list[torch.Tensor], plan: Plan, tp_grou
         torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
+def blocks_to_reshard(block_names: list[str], plan: Plan, mode: str = "default") -> set[str]:
+    """The blocks whose gathered parameters are freed after their forward and gathered again for
+    their backward; `mode` is --fsdp-reshard-after-forward."""
+    spec = plan.mesh_spec
+    if mode == "never" or spec.dp_shard * spec.cp == 1:
+        # With one shard there is nothing to free after forward; re-gathering would only cost time.
+        return set()
+    if mode == "always":
+        return set(block_names)
+    if spec.pp > 1:
+        # Under pipelining each block runs once per micro-batch: re-gathering it every time would
+        # multiply the all-gathers, so blocks stay gathered between forward and backward.
+        return set()
+    # The backward starts with the last block: freeing it after forward would be undone at once.
+    return set(block_names[:-1])
+
+
 def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtype: torch.dtype,
-               expert_mesh: DeviceMesh | None = None) -> None:
+               expert_mesh: DeviceMesh | None = None, reshard_mode: str = "default") -> None:
     dp_mesh = data_parallel_mesh(mesh, plan)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    # With one shard there is nothing to free after forward; re-gathering would only cost time.
-    # Under pipelining each block runs once per micro-batch: re-gathering it every time would
-    # multiply the all-gathers, so blocks stay gathered between forward and backward.
-    reshard = plan.mesh_spec.dp_shard * plan.mesh_spec.cp > 1 and plan.mesh_spec.pp == 1
     common = dict(mesh=dp_mesh, mp_policy=policy)
     # Before fully_shard, which takes the all-gather hooks of the parameters it shards: with
     # tensorwise FP8 the blocks' matmul weights are gathered in float8 (precision.py says when).
     precision.wrap_for_float8_all_gather(model, plan.mesh_spec, dp_mesh.device_type)
     if expert_mesh is not None:
         _shard_experts(model, expert_mesh, plan, policy)
-    for block in model.blocks.values():
-        fully_shard(block, reshard_after_forward=reshard, **common)
+    resharded = blocks_to_reshard(list(model.blocks), plan, reshard_mode)
+    for name, block in model.blocks.items():
+        fully_shard(block, reshard_after_forward=name in resharded, **common)
     if not model.tied:
         # Tied embedding and head share one parameter, so both stay in the root's group.
         if model.embed is not None:
-            fully_shard(model.embed, reshard_after_forward=reshard, **common)
+            fully_shard(model.embed, reshard_after_forward=bool(resharded), **common)
         if model.head is not None:
             # The backward starts with the head: resharding it after forward would be undone at once.
             fully_shard(model.head, reshard_after_forward=False, **common)

@@ -2,6 +2,9 @@
 
 import pytest
 
+from parallel.data_parallel import blocks_to_reshard
+from parallel.mesh import MeshSpec
+from parallel.plan import Plan
 from tests.launch import train_scalars
 
 # fp32 on CPU: the only differences are the order of float reductions across ranks.
@@ -16,9 +19,11 @@ def _assert_close(actual, expected, rtol, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,nproc", [("dp=2", 2), ("dp_replicate=2,dp_shard=2", 4)])
-def test_data_parallel_matches_one_process(single_run, tmp_path, mesh, nproc):
-    parallel = train_scalars(tmp_path, ["--mesh", mesh], nproc=nproc)
+@pytest.mark.parametrize("mesh,nproc,extra", [
+    ("dp=2", 2, []), ("dp_replicate=2,dp_shard=2", 4, []), ("dp=2", 2, ["--fsdp-reshard-after-forward", "never"]),
+])
+def test_data_parallel_matches_one_process(single_run, tmp_path, mesh, nproc, extra):
+    parallel = train_scalars(tmp_path, ["--mesh", mesh, *extra], nproc=nproc)
     _assert_close(parallel["train/loss"], single_run["train/loss"], LOSS_RTOL, f"loss on {mesh}")
     # The norm is logged before clipping, so this checks the global reduction over the shards.
     _assert_close(parallel["train/grad_norm"], single_run["train/grad_norm"], GRAD_NORM_RTOL,
@@ -33,3 +38,17 @@ def test_loss_decreases_and_scalars_are_logged(single_run):
     losses = single_run["train/loss"]
     assert losses[-1] < losses[0] - 0.3, losses
     assert all(n > 0 for n in single_run["train/grad_norm"])
+
+
+@pytest.mark.parametrize("mesh,world,mode,expected", [
+    ("dp=4", 4, "default", {"0", "1", "2"}),  # not the last: its backward comes right after forward
+    ("dp=4", 4, "always", {"0", "1", "2", "3"}),
+    ("dp=4", 4, "never", set()),
+    ("cp=2", 2, "default", {"0", "1", "2"}),  # FSDP shards over cp too
+    ("tp=2", 2, "always", set()),  # one shard: nothing to free
+    ("dp=2,pp=2", 4, "default", set()),  # a pipeline runs each block once per micro-batch
+    ("dp=2,pp=2", 4, "always", {"0", "1", "2", "3"}),
+])
+def test_blocks_to_reshard(mesh, world, mode, expected):
+    plan = Plan.build(MeshSpec.parse(mesh, world))
+    assert blocks_to_reshard(["0", "1", "2", "3"], plan, mode) == expected
