@@ -88,3 +88,15 @@ def test_suite_selects_by_gpu_count_and_name():
     assert bench_suite.selected(0, []) == ["cpu tiny"]
     cp_runs = bench_suite.selected(2, ["cp="])
     assert cp_runs and all("cp=" in name for name in cp_runs)
+
+
+def test_every_suite_setup_is_a_valid_command():
+    """A typo in a setup would only show on the GPU machine: each one's dtrain flags must load."""
+    from dtrain.config import load_config
+    from tools import bench_suite
+    from tools.bench import SHAPES
+
+    for name, (_, bench_args) in bench_suite.SUITE.items():
+        shape = bench_args[bench_args.index("--shape") + 1]
+        dtrain_flags = bench_args[bench_args.index("--") + 1:]
+        load_config([*SHAPES[shape], *dtrain_flags])  # raises on an unknown flag or choice
