@@ -198,9 +198,14 @@ class RouterStats:
         return {layer: load.cpu() for layer, load in self.load.items()}
 
 
-def _in_backward() -> bool:
+@torch.compiler.disable
+def _record_router_stats(stats: RouterStats, layer: int, dispatched: Dispatch, aux_loss: torch.Tensor,
+                         z_loss: torch.Tensor) -> None:
+    """Outside compiled graphs: the accumulators are a dict that grows layer by layer, which a
+    compiled graph would guard on and recompile for at every layer."""
     # Activation recompute re-runs the forward inside backward: its routing must not count twice.
-    return torch._C._current_graph_task_id() != -1
+    if torch._C._current_graph_task_id() == -1:
+        stats.record(layer, dispatched, aux_loss, z_loss)
 
 
 def moe_forward(p: dict, x: torch.Tensor, cfg: MoEConfig, ctx: ModelContext, *, layer: int = 0,
@@ -228,8 +233,8 @@ def moe_forward(p: dict, x: torch.Tensor, cfg: MoEConfig, ctx: ModelContext, *, 
         out_TD = out_TD + swiglu_block(p["shared"], x_TD, ctx)
 
     stats = getattr(aux, "router_stats", None)
-    if stats is not None and not _in_backward():
-        stats.record(layer, dispatched, aux_loss, z_loss)
+    if stats is not None:
+        _record_router_stats(stats, layer, dispatched, aux_loss, z_loss)
     router_loss = cfg.aux_loss_coef * aux_loss + cfg.z_loss_coef * z_loss
     if router_loss.requires_grad and (cfg.aux_loss_coef or cfg.z_loss_coef):
         weight = num_tokens * getattr(aux, "loss_scale", 1.0)

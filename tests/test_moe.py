@@ -337,3 +337,22 @@ def test_overrides_reach_moe_fields():
         get_model_config("tiny-moe", "top_k=9")
     with pytest.raises(UserError, match="cannot override 'ffn_dim'"):
         get_model_config("tiny-moe", "ffn_dim=3")
+
+
+def test_compiled_layers_record_stats_without_a_recompile_per_layer(monkeypatch):
+    """Every MoE block compiles the same function: recording router statistics, a dict that grows
+    layer by layer, must not make each layer a new graph (past torch's recompile limit the blocks
+    would silently run uncompiled)."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    torch._dynamo.reset()
+    p, stats = _moe_params(CFG), moe.RouterStats()
+    x = torch.randn(2, 8, CFG.dim)
+    aux = types.SimpleNamespace(router_stats=stats)
+    compiled = torch.compile(moe.moe_forward)
+    for micro_batch in range(2):
+        for layer in range(10):
+            compiled(p, x, CFG, LocalContext(), layer=layer, aux=aux)
+    assert sorted(stats.load) == list(range(10))
+    assert all(int(totals[-1]) == 2 for totals in stats.totals.values())  # two records per layer
+    torch._dynamo.reset()
