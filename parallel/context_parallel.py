@@ -105,7 +105,14 @@ def _allgather_attention(q, k, v, group, cp_size: int) -> torch.Tensor:
 
     # This rank's queries are chunks `rank` and `2 * cp - 1 - rank` of the sequence.
     rank = dist.get_rank(group)
-    return _ChunksOverGatheredKV.apply(q, k_all, v_all, (rank, 2 * cp_size - 1 - rank), choose_block_kernel(q))
+    return _attend_own_chunks(q, k_all, v_all, (rank, 2 * cp_size - 1 - rank))
+
+
+@torch.compiler.disable
+def _attend_own_chunks(q, k_all, v_all, chunk_indices: tuple[int, int]) -> torch.Tensor:
+    """Outside compiled graphs, as the ring's block loop is: the kernel choice reads SDPA's support
+    checks (which a graph cannot hold), and the block kernels run as they are, already fused."""
+    return _ChunksOverGatheredKV.apply(q, k_all, v_all, chunk_indices, choose_block_kernel(q))
 
 
 class _ChunksOverGatheredKV(torch.autograd.Function):
