@@ -110,6 +110,13 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, 
         up = F.grouped_mm(x, w_up.transpose(-2, -1), offs=offs)
         out = F.grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
         return _ContiguousGrad.apply(out)
+    return _expert_loop_swiglu(x, counts, w_gate, w_up, w_down)
+
+
+@torch.compiler.disable
+def _expert_loop_swiglu(x, counts, w_gate, w_up, w_down) -> torch.Tensor:
+    """One expert at a time, outside compiled graphs: the rows per expert change every step, and a
+    graph would be recompiled for each new split until torch's recompile limit."""
     outputs = []
     for expert, rows in enumerate(x.split(counts.tolist())):
         hidden = F.silu(F.linear(rows, w_gate[expert])) * F.linear(rows, w_up[expert])

@@ -340,19 +340,21 @@ def test_overrides_reach_moe_fields():
 
 
 def test_compiled_layers_record_stats_without_a_recompile_per_layer(monkeypatch):
-    """Every MoE block compiles the same function: recording router statistics, a dict that grows
-    layer by layer, must not make each layer a new graph (past torch's recompile limit the blocks
-    would silently run uncompiled)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4)
+    """Every MoE block compiles the same function: recording router statistics (a dict that grows
+    layer by layer) and the per-expert loop of the CPU fallback (rows per expert that change with
+    every input) must not make each call a new graph; past torch's recompile limit the blocks would
+    silently run uncompiled."""
+    # One compile with the first layer's values, one with them dynamic: nothing more.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     torch._dynamo.reset()
     p, stats = _moe_params(CFG), moe.RouterStats()
-    x = torch.randn(2, 8, CFG.dim)
     aux = types.SimpleNamespace(router_stats=stats)
     compiled = torch.compile(moe.moe_forward)
+    torch.manual_seed(0)
     for micro_batch in range(2):
         for layer in range(10):
-            compiled(p, x, CFG, LocalContext(), layer=layer, aux=aux)
+            compiled(p, torch.randn(2, 8, CFG.dim), CFG, LocalContext(), layer=layer, aux=aux)
     assert sorted(stats.load) == list(range(10))
     assert all(int(totals[-1]) == 2 for totals in stats.totals.values())  # two records per layer
     torch._dynamo.reset()
