@@ -98,6 +98,7 @@ def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtyp
     if not model.tied:
         # Tied embedding and head share one parameter, so both stay in the root's group.
         if model.embed is not None:
+            # Freed after forward like the blocks, whenever any block is.
             fully_shard(model.embed, reshard_after_forward=bool(resharded), **common)
         if model.head is not None:
             # The backward starts with the head: resharding it after forward would be undone at once.
