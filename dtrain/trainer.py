@@ -147,7 +147,10 @@ class Trainer:
                 return self.pipeline.step(inputs, labels, self.rope_aux)
         loss_sum = torch.zeros((), device=device)
         with self.ctx.kernel_scope():
-            for batch in micro_batches:
+            for index, batch in enumerate(micro_batches):
+                if self.config.parallel.fsdp_reduce_once:
+                    # Gradients accumulate whole until the last backward, which reduce-scatters them.
+                    self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
                 micro_loss = self.model(self._local(batch[0]), self._micro_aux(batch))
                 (micro_loss * self.loss_scale).backward()
                 loss_sum += micro_loss.detach().float()

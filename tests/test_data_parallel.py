@@ -1,11 +1,13 @@
 """Loss parity of FSDP and HSDP against one process (CPU, gloo, fp32)."""
 
+import re
+
 import pytest
 
 from parallel.data_parallel import blocks_to_reshard
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
-from tests.launch import train_scalars
+from tests.launch import TINY_ARGS, run_cli, train_scalars
 
 # fp32 on CPU: the only differences are the order of float reductions across ranks.
 LOSS_RTOL = 1e-4
@@ -21,6 +23,7 @@ def _assert_close(actual, expected, rtol, what):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh,nproc,extra", [
     ("dp=2", 2, []), ("dp_replicate=2,dp_shard=2", 4, []), ("dp=2", 2, ["--fsdp-reshard-after-forward", "never"]),
+    ("dp=2", 2, ["--fsdp-reduce-once"]),  # two micro-batches per rank: one reduce-scatter after both
 ])
 def test_data_parallel_matches_one_process(single_run, tmp_path, mesh, nproc, extra):
     parallel = train_scalars(tmp_path, ["--mesh", mesh, *extra], nproc=nproc)
@@ -52,3 +55,16 @@ def test_loss_decreases_and_scalars_are_logged(single_run):
 def test_blocks_to_reshard(mesh, world, mode, expected):
     plan = Plan.build(MeshSpec.parse(mesh, world))
     assert blocks_to_reshard(["0", "1", "2", "3"], plan, mode) == expected
+
+
+@pytest.mark.slow
+def test_reduce_once_reduces_gradients_once_per_step(tmp_path):
+    """Two micro-batches per rank: with --fsdp-reduce-once FSDP reduces each group's gradients
+    after the last one only, half as often as by default."""
+    counts = {}
+    for name, extra in (("each", []), ("once", ["--fsdp-reduce-once"])):
+        args = [*TINY_ARGS, "--steps", "2", "--mesh", "dp=2", "--run-dir", str(tmp_path / name), *extra]
+        result = run_cli(args, nproc=2, module="tests.workers.count_grad_reductions")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        counts[name] = int(re.findall(r"^GRAD_REDUCTIONS (\d+)$", result.stdout, re.M)[-1])
+    assert counts["once"] > 0 and counts["each"] == 2 * counts["once"], counts

@@ -53,6 +53,9 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                                "--global-batch", "16"]),
     "mixtral-small dp=2,ep=2": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile", "--mesh", "dp=2,ep=2",
                                     "--global-batch", "16"]),
+    "mixtral-small dp=2,ep=2 reduce-once": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile",
+                                                "--mesh", "dp=2,ep=2", "--global-batch", "16",
+                                                "--fsdp-reduce-once"]),
 }
 
 
