@@ -156,7 +156,7 @@ class LocalContext:
     """Everything on one device: no constraints, plain matmuls, SDPA with its default kernel choice.
 
     `fuse_projections` makes `linear_many` one matmul over the concatenated weights. It is off by
-    default: on an H200 with compiled blocks, llama-1b ran 1.4% slower fused (54.0% vs 54.8% MFU)."""
+    default: on H200s with compiled blocks it measured slower (the README's benchmark table)."""
 
     fuse_projections: bool = False
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tools.compare_runs import read_scalars
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,9 +39,7 @@ def run_cli(args: list[str], nproc: int = 1, module: str = "dtrain.run",
 
 def scalars(run_dir: Path) -> dict[str, list[float]]:
     """Every scalar series in the run's TensorBoard files, in step order."""
-    accumulator = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {tag: [event.value for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+    return {tag: [value for _, value in sorted(by_step.items())] for tag, by_step in read_scalars(run_dir).items()}
 
 
 def train_scalars(run_dir: Path, extra: list[str], nproc: int = 1) -> dict[str, list[float]]:
