@@ -37,9 +37,9 @@ class ParallelArgs:
                    "backward (never: more memory, no backward all-gather), or default: always except the last "
                    "block and under pipelining", choices=("default", "always", "never"))
     fsdp_reduce_once: bool = _field(
-        False, "reduce-scatter the gradients once per step, after the last micro-batch, not after each: whole "
-               "fp32 gradients are kept between micro-batches (more memory, fewer collectives); pipelined runs "
-               "always reduce once")
+        False, "reduce-scatter the gradients once per step, after the last micro-batch, not after each, and keep "
+               "the parameters a backward gathered for the next micro-batch: whole gradients and parameters stay "
+               "between micro-batches (more memory, fewer collectives); pipelined runs always reduce once")
     pp_schedule: str = _field("1f1b", "pipeline schedule",
                               choices=("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb", "zbv"))
     pp_virtual_stages: int = _field(1, "pipeline stages per rank (interleaved and V schedules)")

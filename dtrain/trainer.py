@@ -149,8 +149,11 @@ class Trainer:
         with self.ctx.kernel_scope():
             for index, batch in enumerate(micro_batches):
                 if self.config.parallel.fsdp_reduce_once:
-                    # Gradients accumulate whole until the last backward, which reduce-scatters them.
-                    self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+                    # Gradients accumulate whole until the last backward, which reduce-scatters them;
+                    # parameters gathered by a backward stay gathered for the next micro-batch's forward.
+                    last = index == len(micro_batches) - 1
+                    self.model.set_requires_gradient_sync(last)
+                    self.model.set_reshard_after_backward(last)
                 micro_loss = self.model(self._local(batch[0]), self._micro_aux(batch))
                 (micro_loss * self.loss_scale).backward()
                 loss_sum += micro_loss.detach().float()

@@ -60,11 +60,17 @@ def test_blocks_to_reshard(mesh, world, mode, expected):
 @pytest.mark.slow
 def test_reduce_once_reduces_gradients_once_per_step(tmp_path):
     """Two micro-batches per rank: with --fsdp-reduce-once FSDP reduces each group's gradients
-    after the last one only, half as often as by default."""
+    after the last one only, half as often as by default, and the second forward finds the
+    parameters still gathered by the first backward."""
     counts = {}
     for name, extra in (("each", []), ("once", ["--fsdp-reduce-once"])):
         args = [*TINY_ARGS, "--steps", "2", "--mesh", "dp=2", "--run-dir", str(tmp_path / name), *extra]
         result = run_cli(args, nproc=2, module="tests.workers.count_grad_reductions")
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        counts[name] = int(re.findall(r"^GRAD_REDUCTIONS (\d+)$", result.stdout, re.M)[-1])
-    assert counts["once"] > 0 and counts["each"] == 2 * counts["once"], counts
+        line = re.findall(r"^GRAD_REDUCTIONS (\d+) ALL_GATHERS (\d+)$", result.stdout, re.M)[-1]
+        counts[name] = tuple(map(int, line))
+    (reduce_each, gather_each), (reduce_once, gather_once) = counts["each"], counts["once"]
+    assert reduce_once > 0 and reduce_each == 2 * reduce_once, counts
+    # With --fsdp-reduce-once each group (reduced once per step) skips one gather per step: the
+    # second forward's.
+    assert gather_each - gather_once == reduce_once, counts
