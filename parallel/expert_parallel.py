@@ -8,6 +8,12 @@ back with the reverse all-to-all:
     counts all-to-all (the one host sync: split sizes must be Python ints)
     -> rows all-to-all -> regroup by local expert -> grouped SwiGLU -> undo regroup -> rows back
 
+Under --compile the exchange runs outside the block's graph: its split sizes are new Python ints
+every step, which a graph would guard on, and traced through it the block fell into many small
+graphs, each compiled again at step 2 (FSDP's gathered expert weights change requires_grad after
+the first step) and again when its sizes went dynamic. The grouped SwiGLU inside it is compiled
+on its own, with dynamic row counts from the start.
+
 Backward is plain autograd through the differentiable all-to-alls and the permutations, so a
 local expert's weight gradient sums the contributions of every rank's tokens routed to it: the
 expert gradients are reduced over exactly the ranks that send tokens to those experts, with no
@@ -67,10 +73,11 @@ def _expert_major_positions(received_counts: torch.Tensor, total: int) -> torch.
 
 def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: torch.Tensor,
                            w_up_local: torch.Tensor, w_down_local: torch.Tensor, *,
-                           group: dist.ProcessGroup, num_experts: int) -> torch.Tensor:
+                           group: dist.ProcessGroup, num_experts: int, swiglu=grouped_swiglu) -> torch.Tensor:
     """`LocalContext.experts` over `group`: x [rows, embed] sorted by expert with `counts` [num_experts]
     rows each (this rank's tokens, all experts); w_*_local the [num_experts / ep, ...] weights of this
-    rank's block of experts. Returns [rows, embed], each row its expert's output, in x's order."""
+    rank's block of experts. Returns [rows, embed], each row its expert's output, in x's order.
+    `swiglu` computes the local experts (`grouped_swiglu`, or a compiled version of it)."""
     ep = dist.get_world_size(group)
     _check_shapes(x, counts, (w_gate_local, w_up_local, w_down_local), num_experts, ep)
     local_experts = num_experts // ep
@@ -91,7 +98,7 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
     gather_order = torch.empty_like(destination).scatter_(
         0, destination, torch.arange(total_received, device=destination.device)
     )
-    out_by_expert = grouped_swiglu(received[gather_order], received_counts.sum(0), w_gate_local, w_up_local,
+    out_by_expert = swiglu(received[gather_order], received_counts.sum(0), w_gate_local, w_up_local,
                                    w_down_local)
     out_received = out_by_expert[destination]
 
@@ -121,32 +128,43 @@ def ep_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+# Compiled on first use only. Row counts differ every step: dynamic from the first compile.
+_compiled_grouped_swiglu = torch.compile(grouped_swiglu, dynamic=True)
+
+
+@torch.compiler.disable
 def experts_over_group(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                       w_down: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """`ModelContext.experts` for a context that may have expert parallelism.
+                       w_down: torch.Tensor, *, group: dist.ProcessGroup | None,
+                       compile_experts: bool = False) -> torch.Tensor:
+    """`ModelContext.experts` for a context that may have expert parallelism, outside compiled
+    graphs (the module docstring says why); `compile_experts` compiles the local experts' SwiGLU.
 
     With no group or ep == 1 this is the single-device path unchanged. Otherwise the weights are
     this rank's block of experts (plain tensors, or DTensors sharded on dim 0 over the ep mesh dim)
     and the global expert count is `counts.numel()`. A DTensor `x` (activations laid out over
     tp/cp) is handled on its local rows, which are this rank's tokens, and re-wrapped with its layout.
     """
+    swiglu = _compiled_grouped_swiglu if compile_experts else grouped_swiglu
     if ep_size(group) == 1:
-        return grouped_swiglu(x, counts, w_gate, w_up, w_down)
+        return swiglu(x, counts, w_gate, w_up, w_down)
     layout = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
     out = expert_parallel_swiglu(
         _local(x, "x"), _local(counts, "counts"), _local(w_gate, "w_gate"), _local(w_up, "w_up"),
-        _local(w_down, "w_down"), group=group, num_experts=counts.shape[0],
+        _local(w_down, "w_down"), group=group, num_experts=counts.shape[0], swiglu=swiglu,
     )
     return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
 
 
 class ExpertParallelContextMixin:
     """Gives a model context the expert-parallel `experts`. Put it before `LocalContext` in the
-    bases and set `ep_group` (None or a group of one rank keeps the single-device path)."""
+    bases and set `ep_group` (None or a group of one rank keeps the single-device path), and
+    `compile_experts` when the blocks are compiled."""
 
     ep_group: dist.ProcessGroup | None = None
+    compile_experts: bool = False
 
     def experts(self, x, counts, w_gate, w_up, w_down):
         if ep_size(self.ep_group) == 1:
             return super().experts(x, counts, w_gate, w_up, w_down)
-        return experts_over_group(x, counts, w_gate, w_up, w_down, group=self.ep_group)
+        return experts_over_group(x, counts, w_gate, w_up, w_down, group=self.ep_group,
+                                  compile_experts=self.compile_experts)

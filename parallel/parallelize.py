@@ -25,6 +25,7 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
                 ) -> tuple[ModelModule, ParallelContext]:
     ctx = ParallelContext(plan, mesh, cp_method, expert_mesh)
     ctx.fuse_projections = fuse_projections
+    ctx.compile_experts = compile_blocks
     if async_tp:
         enable_async_tp(mesh)
     param_mesh = mesh[plan.param_mesh_dims] if plan.param_mesh_dims else None
