@@ -103,7 +103,10 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, 
     is supported (`use_grouped_mm=None` decides), else a loop over the experts."""
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(x, w_gate, w_up, w_down)
-    if use_grouped_mm:
+    # No rows at all happens under expert parallelism, to a rank whose experts no token chose.
+    # grouped_mm's backward rejects an empty input; the loop gives every weight its zero gradient,
+    # which FSDP's reduce-scatter over the ranks that share these experts needs from every rank.
+    if use_grouped_mm and x.shape[0] > 0:
         # Cumulative group ends; the kernel reads them on the device, so no host sync.
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         gate = F.grouped_mm(x, w_gate.transpose(-2, -1), offs=offs)

@@ -136,6 +136,22 @@ def test_grouped_gemm_equals_the_expert_loop():
     torch.testing.assert_close(*grads, rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_swiglu_of_no_rows_gives_zero_weight_gradients():
+    """A rank whose experts no token chose: an empty output, and zero (not missing) gradients for
+    every weight, with the grouped GEMM asked for (its backward rejects empty inputs)."""
+    e, f, d = 4, 24, 16
+    weights = [(torch.randn(e, f, d) * 0.3).requires_grad_(), (torch.randn(e, f, d) * 0.3).requires_grad_(),
+               (torch.randn(e, d, f) * 0.3).requires_grad_()]
+    for upstream in ("sum", "dense"):  # a zero-stride gradient (that of out.sum()) and a dense one
+        x = torch.randn(0, d, requires_grad=True)
+        out = grouped_swiglu(x, torch.zeros(e, dtype=torch.long), *weights, use_grouped_mm=True)
+        assert out.shape == (0, d)
+        out.sum().backward() if upstream == "sum" else out.backward(torch.randn(0, d))
+        for weight in weights:
+            assert weight.grad is not None and weight.grad.shape == weight.shape and not weight.grad.any()
+            weight.grad = None
+
+
 def test_capacity_drops_the_lowest_scores_and_they_add_nothing():
     cfg = attrs.evolve(CFG, capacity_factor=0.5)
     p = _moe_params(cfg, seed=4)
