@@ -57,6 +57,14 @@ def init_fake_process_group(world_size: int) -> Runtime:
     return Runtime(0, world_size, torch.device("cpu"))
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(after_error: bool = False) -> None:
+    """Ends the process group. After an error on GPUs it is aborted instead: the other ranks may be
+    waiting in a collective that this rank will never join, and destroying the group would wait for
+    them (NCCL), hiding the error behind a hang. Aborted, this process exits with its error and
+    torchrun stops the others. (gloo's destroy does not wait; its peers see the connection close.)"""
+    if not dist.is_initialized():
+        return
+    if after_error and dist.get_world_size() > 1 and torch.cuda.is_available() and dist.is_nccl_available():
+        dist.distributed_c10d._abort_process_group()
+        return
+    dist.destroy_process_group()

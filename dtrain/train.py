@@ -147,6 +147,9 @@ def train(config: Config, before_step=None) -> list[dict[str, float]]:
     runtime = distributed.init_process_group()
     try:
         with log_file(Path(config.train.run_dir) / "train.log", runtime.is_main):
-            return Trainer(config, runtime).fit(before_step)
-    finally:
-        distributed.shutdown()
+            scalars = Trainer(config, runtime).fit(before_step)
+    except BaseException:
+        distributed.shutdown(after_error=True)
+        raise
+    distributed.shutdown()
+    return scalars

@@ -36,3 +36,40 @@ def test_deferred_read_back_logs_evaluates_and_saves_like_reading_at_once(tmp_pa
     for name in ("at_once", "deferred"):
         saved = sorted(p.name for p in (tmp_path / name / "checkpoints").iterdir())
         assert saved == ["step_000003", "step_000006", "step_000009", "step_000010"], saved
+
+
+def test_a_failing_run_aborts_its_gpu_process_group_instead_of_waiting_for_the_others(monkeypatch, tmp_path):
+    """On NCCL, destroying the group after an error waits for ranks blocked in a collective that the
+    failed rank will never join: the run hangs and its error is never printed. It must abort."""
+    from dtrain import train as train_lib
+
+    calls = []
+    dist = distributed.dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda: calls.append("abort"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    distributed.shutdown(after_error=True)
+    distributed.shutdown()
+    assert calls == ["abort", "destroy"]
+
+    # train() takes the error path when the training loop raises, and the error reaches the caller.
+    ended = []
+    monkeypatch.setattr(train_lib.distributed, "init_process_group",
+                        lambda: distributed.Runtime(0, 1, distributed.torch.device("cpu")))
+    monkeypatch.setattr(train_lib.distributed, "shutdown", lambda after_error=False: ended.append(after_error))
+
+    def failing_trainer(config, runtime):
+        raise RuntimeError("a rank failed")
+
+    monkeypatch.setattr("dtrain.trainer.Trainer", failing_trainer)
+    config = with_global_batch(load_config([*TINY_ARGS, "--run-dir", str(tmp_path)]), 1)
+    try:
+        train_lib.train(config)
+    except RuntimeError as error:
+        assert str(error) == "a rank failed"
+    else:
+        raise AssertionError("train() swallowed the error")
+    assert ended == [True]
