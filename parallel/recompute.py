@@ -1,5 +1,6 @@
-"""Activation recompute of blocks: none, selective (keep matmul and attention outputs, recompute
-the cheap element-wise ops and norms) or full (keep only the block input)."""
+"""Activation recompute of blocks: none, selective (keep the outputs of matmuls, grouped GEMMs,
+attention and collectives; recompute the cheap element-wise ops and norms) or full (keep only
+the block input)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,26 @@ from models.errors import UserError
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 _aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
 _SAVED_OPS = {
     _aten.mm.default,
     _aten.addmm.default,
     _aten._scaled_mm.default,
+    # The experts' GEMMs: the bulk of an MoE block's FLOPs.
+    _aten._grouped_mm.default,
+    _aten._scaled_grouped_mm.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # Collectives (tensor parallelism's gathers and reductions, expert parallelism's all-to-alls):
+    # recomputing one would send the same data again, in the backward's critical path.
+    _c10d.all_gather_into_tensor.default,
+    _c10d.reduce_scatter_tensor.default,
+    _c10d.all_reduce.default,
+    _c10d.all_to_all_single.default,
+    _c10d.wait_tensor.default,
+    torch.ops._c10d_functional_autograd.all_to_all_single.default,
 }
 
 
