@@ -44,18 +44,18 @@ SUITE: dict[str, tuple[int, list[str]]] = {
        for method in ("allgather", "ring", "a2a")},
     "llama-8b dp=2": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2"]),
     "llama-8b dp=2 fp8": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2", "--fp8", "tensorwise"]),
+    "llama-8b dp=2 fp8 head": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2",
+                                   "--fp8", "tensorwise", "--fp8-head"]),
     "llama-8b dp=2 fp8 head no-reshard": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2",
                                               "--fp8", "tensorwise", "--fp8-head",
                                               "--fsdp-reshard-after-forward", "never"]),
     "llama-8b tp=2 sp": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "tp=2", "--sequence-parallel",
                              "--recompute", "selective"]),
-    "mixtral-small dp=2": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile", "--mesh", "dp=2",
-                               "--global-batch", "16"]),
-    "mixtral-small dp=2,ep=2": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile", "--mesh", "dp=2,ep=2",
-                                    "--global-batch", "16"]),
-    "mixtral-small dp=2,ep=2 reduce-once": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile",
-                                                "--mesh", "dp=2,ep=2", "--global-batch", "16",
-                                                "--fsdp-reduce-once"]),
+    **{f"mixtral-small {mesh}{name}": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile", "--mesh", mesh,
+                                             "--global-batch", "16", *options])
+       for mesh in ("dp=2", "dp=2,ep=2")
+       for name, options in (("", []), (" reduce-once", ["--fsdp-reduce-once"]),
+                             (" reduce-once no-reshard", ["--fsdp-reduce-once", "--fsdp-reshard-after-forward", "never"]))},
 }
 
 
