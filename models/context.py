@@ -119,11 +119,15 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, 
 @torch.compiler.disable
 def _expert_loop_swiglu(x, counts, w_gate, w_up, w_down) -> torch.Tensor:
     """One expert at a time, outside compiled graphs: the rows per expert change every step, and a
-    graph would be recompiled for each new split until torch's recompile limit."""
+    graph would be recompiled for each new split until torch's recompile limit. Rows past the
+    counts' sum belong to no expert and give zeros."""
+    sizes = counts.tolist()
+    *per_expert, rest = x.split([*sizes, x.shape[0] - sum(sizes)])
     outputs = []
-    for expert, rows in enumerate(x.split(counts.tolist())):
+    for expert, rows in enumerate(per_expert):
         hidden = F.silu(F.linear(rows, w_gate[expert])) * F.linear(rows, w_up[expert])
         outputs.append(F.linear(hidden, w_down[expert]))
+    outputs.append(rest.new_zeros(rest.shape[0], w_down.shape[1]))
     return torch.cat(outputs)
 
 

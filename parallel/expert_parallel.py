@@ -14,6 +14,17 @@ graphs, each compiled again at step 2 (FSDP's gathered expert weights change req
 the first step) and again when its sizes went dynamic. The grouped SwiGLU inside it is compiled
 on its own, with dynamic row counts from the start.
 
+`--ep-dispatch allgather` exchanges rows without a host sync and with static shapes, so the
+whole exchange compiles into one graph of its own (Megatron's all-gather token dispatcher, for
+small ep):
+
+    all-gather every rank's rows and counts -> this rank's experts' rows first, grouped by expert
+    -> grouped SwiGLU over them (the other rows masked to zero) -> back to gathered order
+    -> reduce-scatter: each rank sums, for its own rows, the one output that their expert's rank made
+
+It sends ep times the all-to-all's bytes (every row goes to every rank, and every output back) and
+needs the same row count on every rank, which dropless routing gives (top_k rows per token).
+
 Backward is plain autograd through the differentiable all-to-alls and the permutations, so a
 local expert's weight gradient sums the contributions of every rank's tokens routed to it: the
 expert gradients are reduced over exactly the ranks that send tokens to those experts, with no
@@ -105,6 +116,43 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
     return funcol.all_to_all_single_autograd(out_received.contiguous(), send_splits, receive_splits, group)
 
 
+def _local_expert_order(all_counts: torch.Tensor, rank: int, rows_per_rank: int):
+    """For the gathered rows (rank-major; each rank's rows sorted by expert, `all_counts` [ep, E]
+    of them per expert): the permutation that puts this rank's experts' rows first, grouped by
+    local expert; the rows per local expert; and which positions of the permuted rows are theirs."""
+    ep, num_experts = all_counts.shape
+    local_experts = num_experts // ep
+    device, total = all_counts.device, ep * rows_per_rank
+    expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=device).repeat(ep),
+                                            all_counts.flatten(), output_size=total)
+    local_expert = expert_of_row - rank * local_experts
+    is_local = (local_expert >= 0) & (local_expert < local_experts)
+    order = torch.argsort(torch.where(is_local, local_expert, local_experts), stable=True)
+    local_counts = all_counts[:, rank * local_experts:(rank + 1) * local_experts].sum(0)
+    valid = torch.arange(total, device=device) < local_counts.sum()
+    return order, local_counts, valid
+
+
+def expert_parallel_swiglu_allgather(x: torch.Tensor, counts: torch.Tensor, w_gate_local: torch.Tensor,
+                                     w_up_local: torch.Tensor, w_down_local: torch.Tensor, *,
+                                     group: dist.ProcessGroup, num_experts: int,
+                                     swiglu=grouped_swiglu) -> torch.Tensor:
+    """`expert_parallel_swiglu` by all-gather and reduce-scatter (the module docstring); every rank
+    of `group` must hold the same number of rows."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    _check_shapes(x, counts, (w_gate_local, w_up_local, w_down_local), num_experts, ep)
+    all_rows = funcol.all_gather_tensor_autograd(x.contiguous(), 0, group)
+    all_counts = funcol.all_gather_tensor(counts.to(torch.int64).contiguous(), 0, group).view(ep, num_experts)
+    order, local_counts, valid = _local_expert_order(all_counts, rank, x.shape[0])
+    valid = valid[:, None]
+    # The rows past this rank's experts' are zeroed on the way in and out, so that neither their
+    # values nor their gradients depend on what the kernel leaves there.
+    hidden = torch.where(valid, all_rows[order], 0)
+    out_sorted = torch.where(valid, swiglu(hidden, local_counts, w_gate_local, w_up_local, w_down_local), 0)
+    out_gathered = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
+    return funcol.reduce_scatter_tensor_autograd(out_gathered, "sum", 0, group)
+
+
 def _local(t: torch.Tensor, name: str) -> torch.Tensor:
     """This rank's part of a possibly-DTensor input: whole rows (dim 0 split or not), never a slice
     of the embed or mlp dims, which would need a reduction that dispatch does not do."""
@@ -155,16 +203,42 @@ def experts_over_group(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tens
     return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
 
 
+_compiled_allgather_swiglu = torch.compile(expert_parallel_swiglu_allgather)
+
+
+@torch.compiler.disable
+def experts_by_allgather(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                         w_down: torch.Tensor, *, group: dist.ProcessGroup, compile_experts: bool = False) -> torch.Tensor:
+    """`experts_over_group` with `--ep-dispatch allgather`. The local tensors are taken outside
+    compiled graphs: traced inside the block, FSDP's gathered expert weights (DTensors) change
+    requires_grad after the first step and the block compiles again. `compile_experts` compiles
+    the exchange on its own, once (its shapes are static)."""
+    exchange = _compiled_allgather_swiglu if compile_experts else expert_parallel_swiglu_allgather
+    layout = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
+    out = exchange(
+        _local(x, "x"), _local(counts, "counts"), _local(w_gate, "w_gate"), _local(w_up, "w_up"),
+        _local(w_down, "w_down"), group=group, num_experts=counts.shape[0],
+    )
+    return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
+
+
+EP_DISPATCHES = ("alltoall", "allgather")
+
+
 class ExpertParallelContextMixin:
     """Gives a model context the expert-parallel `experts`. Put it before `LocalContext` in the
-    bases and set `ep_group` (None or a group of one rank keeps the single-device path), and
-    `compile_experts` when the blocks are compiled."""
+    bases and set `ep_group` (None or a group of one rank keeps the single-device path),
+    `ep_dispatch` (one of EP_DISPATCHES), and `compile_experts` when the blocks are compiled."""
 
     ep_group: dist.ProcessGroup | None = None
+    ep_dispatch: str = "alltoall"
     compile_experts: bool = False
 
     def experts(self, x, counts, w_gate, w_up, w_down):
         if ep_size(self.ep_group) == 1:
             return super().experts(x, counts, w_gate, w_up, w_down)
+        if self.ep_dispatch == "allgather":
+            return experts_by_allgather(x, counts, w_gate, w_up, w_down, group=self.ep_group,
+                                        compile_experts=self.compile_experts)
         return experts_over_group(x, counts, w_gate, w_up, w_down, group=self.ep_group,
                                   compile_experts=self.compile_experts)

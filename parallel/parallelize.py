@@ -19,13 +19,14 @@ from parallel.plan import Plan
 def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, device: torch.device,
                 seed: int, compute_dtype: torch.dtype, recompute_mode: str = "none",
                 compile_blocks: bool = False, async_tp: bool = False,
-                cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None,
+                cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None, ep_dispatch: str = "alltoall",
                 fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fp8_head: bool = False,
                 fuse_projections: bool = False, reshard_mode: str = "default",
                 ) -> tuple[ModelModule, ParallelContext]:
     ctx = ParallelContext(plan, mesh, cp_method, expert_mesh)
     ctx.fuse_projections = fuse_projections
     ctx.compile_experts = compile_blocks
+    ctx.ep_dispatch = ep_dispatch
     if async_tp:
         enable_async_tp(mesh)
     param_mesh = mesh[plan.param_mesh_dims] if plan.param_mesh_dims else None

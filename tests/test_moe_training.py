@@ -15,6 +15,7 @@ RTOL = 2e-4
 CASES = [
     # (options of both runs, mesh of the parallel run, processes)
     ([], ["--mesh", "dp=2,ep=2"], 2),
+    ([], ["--mesh", "dp=2,ep=2", "--ep-dispatch", "allgather"], 2),
     (["--model-overrides", "bias_update_rate=0.001"], ["--mesh", "dp=4,ep=2"], 4),
     # ep borrows from dp_shard x cp; the load-balancing loss is then per sequence chunk.
     ([], ["--mesh", "cp=2,ep=2"], 2),
@@ -41,7 +42,8 @@ def test_moe_matches_one_process(tmp_path, common, mesh, nproc):
 
 
 @pytest.mark.slow
-def test_compiled_expert_parallel_matches_one_process(tmp_path):
+@pytest.mark.parametrize("dispatch", ["alltoall", "allgather"])
+def test_compiled_expert_parallel_matches_one_process(tmp_path, dispatch):
     """dp=2,ep=2 with --compile against one compiled process: the same losses, and no function
     compiled more than twice (the exchange's per-step split sizes and FSDP's expert weights once
     made every piece of the MoE block compile again at step 2 and once more with dynamic sizes).
@@ -49,7 +51,7 @@ def test_compiled_expert_parallel_matches_one_process(tmp_path):
     grows to about 2e-4 over 10 steps, on one process as on two."""
     extra = ["--model", "tiny-moe", "--global-batch", "16", "--compile"]
     reference = train_scalars(tmp_path / "single", extra)
-    args = [*TINY_ARGS, *extra, "--mesh", "dp=2,ep=2", "--run-dir", str(tmp_path / "compiled")]
+    args = [*TINY_ARGS, *extra, "--mesh", "dp=2,ep=2", "--ep-dispatch", dispatch, "--run-dir", str(tmp_path / "compiled")]
     result = run_cli(args, nproc=2, module="tests.workers.strict_recompiles")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     compiled = scalars(tmp_path / "compiled")
@@ -63,6 +65,8 @@ def test_compiled_expert_parallel_matches_one_process(tmp_path):
     (["--mesh", "dp=2,ep=4"], "ep=4 must divide dp_shard x cp = 2 x 1"),
     (["--model", "tiny", "--mesh", "dp=2,ep=2"], "ep=2 needs a mixture-of-experts model"),
     (["--model-overrides", "top_k=9"], "top_k"),
+    (["--mesh", "dp=2,ep=2", "--ep-dispatch", "allgather", "--model-overrides", "capacity_factor=1.0"],
+     "--ep-dispatch allgather needs the same rows on every ep rank"),
 ])
 def test_bad_expert_parallel_settings(extra, message, capsys):
     assert main([*TINY_ARGS, "--model", "tiny-moe", *extra, "--print-plan"]) == 2

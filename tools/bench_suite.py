@@ -56,6 +56,11 @@ SUITE: dict[str, tuple[int, list[str]]] = {
        for mesh in ("dp=2", "dp=2,ep=2")
        for name, options in (("", []), (" reduce-once", ["--fsdp-reduce-once"]),
                              (" reduce-once no-reshard", ["--fsdp-reduce-once", "--fsdp-reshard-after-forward", "never"]))},
+    **{f"mixtral-small dp=2,ep=2 allgather{name}": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile",
+                                                      "--mesh", "dp=2,ep=2", "--ep-dispatch", "allgather",
+                                                      "--global-batch", "16", *options])
+       for name, options in (("", []),
+                             (" reduce-once no-reshard", ["--fsdp-reduce-once", "--fsdp-reshard-after-forward", "never"]))},
 }
 
 

@@ -10,6 +10,7 @@ gradient must equal the reference gradient rows of those experts accumulated ove
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -23,17 +24,25 @@ from models import moe
 from models.config import MoEConfig
 from models.context import LocalContext
 from models.errors import UserError
-from parallel.expert_parallel import ExpertParallelContextMixin, expert_parallel_swiglu
+from models.context import grouped_swiglu
+from parallel.expert_parallel import (ExpertParallelContextMixin, expert_parallel_swiglu,
+                                      expert_parallel_swiglu_allgather)
 
 NUM_EXPERTS, EMBED, MLP = 8, 16, 24
 # "cpu" in the tests; main sets "cuda:<rank>" for a manual check on GPUs (NCCL, grouped GEMM).
 _device = "cpu"
-CASES = ("uneven", "one_rank_sends_nothing", "one_rank_receives_nothing", "dtensor_inputs_via_mixin")
+CASES = ("uneven", "one_rank_sends_nothing", "one_rank_receives_nothing", "dtensor_inputs_via_mixin",
+         # --ep-dispatch allgather: the same rows on every rank (dropless routing), spread unevenly
+         # over the experts; through the expert loop, and through the grouped GEMM with its masked rows.
+         "allgather", "allgather_one_rank_receives_nothing", "allgather_grouped_mm",
+         "allgather_dtensor_inputs_via_mixin")
+ALLGATHER_ROWS = 20
 
 
 class _ExpertParallelContext(ExpertParallelContextMixin, LocalContext):
-    def __init__(self, group):
+    def __init__(self, group, ep_dispatch: str = "alltoall"):
         self.ep_group = group
+        self.ep_dispatch = ep_dispatch
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -44,6 +53,14 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _counts(case: str, rank: int, ep: int, generator: torch.Generator) -> torch.Tensor:
+    if case.startswith("allgather"):
+        # ALLGATHER_ROWS rows on every rank, over the experts some rank chooses (expert 3: none).
+        chosen = torch.ones(NUM_EXPERTS)
+        chosen[3] = 0
+        if case == "allgather_one_rank_receives_nothing":
+            chosen[-NUM_EXPERTS // ep:] = 0
+        experts = torch.multinomial(chosen, ALLGATHER_ROWS, replacement=True, generator=generator)
+        return torch.bincount(experts, minlength=NUM_EXPERTS)
     counts = torch.randint(0, 7, (NUM_EXPERTS,), generator=generator)
     counts[3] = 0  # an expert that no rank routes to
     counts[0] = 5 + rank  # uneven over ranks, and never an empty rank by chance
@@ -91,13 +108,19 @@ def _check_case(case: str, seed: int, mesh, rank: int) -> dict[str, float]:
 
     x, counts, grad = per_rank[rank]
     x = x.clone().requires_grad_()
-    if case == "dtensor_inputs_via_mixin":
+    if case.endswith("dtensor_inputs_via_mixin"):
         # DTensor weights sharded over ep, and x as a DTensor whose local rows are this rank's tokens.
         local = [distribute_tensor(w, mesh, [Shard(0)]).requires_grad_() for w in weights]
         x_rows = DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
-        out = _ExpertParallelContext(group).experts(x_rows, counts, *local)
+        dispatch = "allgather" if case.startswith("allgather") else "alltoall"
+        out = _ExpertParallelContext(group, dispatch).experts(x_rows, counts, *local)
         assert isinstance(out, DTensor) and out.placements == x_rows.placements
         out = out.to_local()
+    elif case.startswith("allgather"):
+        local = [w[block].clone().requires_grad_() for w in weights]
+        swiglu = functools.partial(grouped_swiglu, use_grouped_mm=case == "allgather_grouped_mm")
+        out = expert_parallel_swiglu_allgather(x, counts, *local, group=group, num_experts=NUM_EXPERTS,
+                                               swiglu=swiglu)
     else:
         local = [w[block].clone().requires_grad_() for w in weights]
         out = expert_parallel_swiglu(x, counts, *local, group=group, num_experts=NUM_EXPERTS)
