@@ -22,9 +22,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from models import moe
 from models.config import MoEConfig
-from models.context import LocalContext
+from models.context import LocalContext, grouped_swiglu
 from models.errors import UserError
-from models.context import grouped_swiglu
 from parallel.expert_parallel import (ExpertParallelContextMixin, expert_parallel_swiglu,
                                       expert_parallel_swiglu_allgather)
 
