@@ -180,27 +180,30 @@ def ep_size(group: dist.ProcessGroup | None) -> int:
 _compiled_grouped_swiglu = torch.compile(grouped_swiglu, dynamic=True)
 
 
+def _on_local_tensors(exchange, x, counts, w_gate, w_up, w_down, **kwargs) -> torch.Tensor:
+    """`exchange` on this rank's tensors (the weights: its block of experts, plain or DTensors
+    sharded on dim 0 over the ep mesh dim; a DTensor `x`, activations laid out over tp/cp: its
+    local rows, this rank's tokens), the output re-wrapped with x's layout."""
+    layout = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
+    out = exchange(
+        _local(x, "x"), _local(counts, "counts"), _local(w_gate, "w_gate"), _local(w_up, "w_up"),
+        _local(w_down, "w_down"), num_experts=counts.shape[0], **kwargs,
+    )
+    return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
+
+
 @torch.compiler.disable
 def experts_over_group(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                        w_down: torch.Tensor, *, group: dist.ProcessGroup | None,
                        compile_experts: bool = False) -> torch.Tensor:
     """`ModelContext.experts` for a context that may have expert parallelism, outside compiled
     graphs (the module docstring says why); `compile_experts` compiles the local experts' SwiGLU.
-
-    With no group or ep == 1 this is the single-device path unchanged. Otherwise the weights are
-    this rank's block of experts (plain tensors, or DTensors sharded on dim 0 over the ep mesh dim)
-    and the global expert count is `counts.numel()`. A DTensor `x` (activations laid out over
-    tp/cp) is handled on its local rows, which are this rank's tokens, and re-wrapped with its layout.
-    """
+    With no group or ep == 1 this is the single-device path unchanged; the global expert count is
+    `counts.numel()`."""
     swiglu = _compiled_grouped_swiglu if compile_experts else grouped_swiglu
     if ep_size(group) == 1:
         return swiglu(x, counts, w_gate, w_up, w_down)
-    layout = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
-    out = expert_parallel_swiglu(
-        _local(x, "x"), _local(counts, "counts"), _local(w_gate, "w_gate"), _local(w_up, "w_up"),
-        _local(w_down, "w_down"), group=group, num_experts=counts.shape[0], swiglu=swiglu,
-    )
-    return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
+    return _on_local_tensors(expert_parallel_swiglu, x, counts, w_gate, w_up, w_down, group=group, swiglu=swiglu)
 
 
 _compiled_allgather_swiglu = torch.compile(expert_parallel_swiglu_allgather)
@@ -214,21 +217,13 @@ def experts_by_allgather(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Te
     requires_grad after the first step and the block compiles again. `compile_experts` compiles
     the exchange on its own, once (its shapes are static)."""
     exchange = _compiled_allgather_swiglu if compile_experts else expert_parallel_swiglu_allgather
-    layout = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
-    out = exchange(
-        _local(x, "x"), _local(counts, "counts"), _local(w_gate, "w_gate"), _local(w_up, "w_up"),
-        _local(w_down, "w_down"), group=group, num_experts=counts.shape[0],
-    )
-    return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
-
-
-EP_DISPATCHES = ("alltoall", "allgather")
+    return _on_local_tensors(exchange, x, counts, w_gate, w_up, w_down, group=group)
 
 
 class ExpertParallelContextMixin:
     """Gives a model context the expert-parallel `experts`. Put it before `LocalContext` in the
     bases and set `ep_group` (None or a group of one rank keeps the single-device path),
-    `ep_dispatch` (one of EP_DISPATCHES), and `compile_experts` when the blocks are compiled."""
+    `ep_dispatch` ("alltoall" or "allgather"), and `compile_experts` when the blocks are compiled."""
 
     ep_group: dist.ProcessGroup | None = None
     ep_dispatch: str = "alltoall"
