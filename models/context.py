@@ -104,8 +104,9 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, 
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(x, w_gate, w_up, w_down)
     # No rows at all happens under expert parallelism, to a rank whose experts no token chose.
-    # grouped_mm's backward rejects an empty input; the loop gives every weight its zero gradient,
-    # which FSDP's reduce-scatter over the ranks that share these experts needs from every rank.
+    # grouped_mm's backward can fail then (on CPU it rejects the gradient of an empty output, whose
+    # strides are degenerate); the loop gives every weight its zero gradient, which FSDP's
+    # reduce-scatter over the ranks that share these experts needs from every rank.
     if use_grouped_mm and x.shape[0] > 0:
         # Cumulative group ends; the kernel reads them on the device, so no host sync.
         offs = torch.cumsum(counts, 0, dtype=torch.int32)

@@ -24,6 +24,12 @@ LONG = ["--seq-len", "32768", "--micro-batch", "1"]
 PP = ["--mesh", "pp=2", "--micro-batch", "1"]
 
 # name -> (processes, tools.bench arguments); "cpu" setups run without GPUs (a smoke test).
+# MoE on 2 GPUs: each mesh (and expert dispatch) with each way of accumulating 4 micro-batches.
+_MOE_MESHES = {"dp=2": ["--mesh", "dp=2"], "dp=2,ep=2": ["--mesh", "dp=2,ep=2"],
+               "dp=2,ep=2 allgather": ["--mesh", "dp=2,ep=2", "--ep-dispatch", "allgather"]}
+_MOE_OPTIONS = {"": [], " reduce-once": ["--fsdp-reduce-once"],
+                " reduce-once no-reshard": ["--fsdp-reduce-once", "--fsdp-reshard-after-forward", "never"]}
+
 SUITE: dict[str, tuple[int, list[str]]] = {
     "cpu tiny": (1, ["--shape", "tiny", "--steps", "3", "--warmup", "1", "--", "--precision", "fp32"]),
     "llama-1b single": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile"]),
@@ -51,16 +57,9 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                                               "--fsdp-reshard-after-forward", "never"]),
     "llama-8b tp=2 sp": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "tp=2", "--sequence-parallel",
                              "--recompute", "selective"]),
-    **{f"mixtral-small {mesh}{name}": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile", "--mesh", mesh,
+    **{f"mixtral-small {mesh}{name}": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile", *mesh_args,
                                              "--global-batch", "16", *options])
-       for mesh in ("dp=2", "dp=2,ep=2")
-       for name, options in (("", []), (" reduce-once", ["--fsdp-reduce-once"]),
-                             (" reduce-once no-reshard", ["--fsdp-reduce-once", "--fsdp-reshard-after-forward", "never"]))},
-    **{f"mixtral-small dp=2,ep=2 allgather{name}": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile",
-                                                      "--mesh", "dp=2,ep=2", "--ep-dispatch", "allgather",
-                                                      "--global-batch", "16", *options])
-       for name, options in (("", []),
-                             (" reduce-once no-reshard", ["--fsdp-reduce-once", "--fsdp-reshard-after-forward", "never"]))},
+       for mesh, mesh_args in _MOE_MESHES.items() for name, options in _MOE_OPTIONS.items()},
 }
 
 
