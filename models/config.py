@@ -83,6 +83,12 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     # None: dropless. Else each expert keeps ceil(factor * tokens * top_k / num_experts) tokens.
     capacity_factor: float | None = None
+    # Benchmarks only: token t's j-th choice is expert (t * top_k + j) mod num_experts, so every
+    # expert gets the same load, as a trained router's near-balance gives. An untrained router on
+    # synthetic tokens sends most tokens to a few experts, which under expert parallelism times the
+    # imbalance rather than the model (Megatron's --moe-router-force-load-balancing and
+    # TorchTitan's _debug_force_load_balance do the same). The weights are still the router's scores.
+    force_load_balance: bool = False
     # DeepSeekMoE: the first layers keep a dense SwiGLU of width dense_ffn_dim.
     first_dense_layers: int = 0
     dense_ffn_dim: int = 0

@@ -54,8 +54,12 @@ def route(x_TD: torch.Tensor, router: torch.Tensor, cfg: MoEConfig,
     """
     logits = F.linear(x_TD.float(), router.float())
     scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
-    choice = scores if selection_bias is None else scores + selection_bias.float()
-    expert_ids = choice.topk(cfg.top_k, dim=-1).indices
+    if cfg.force_load_balance:
+        slot = torch.arange(x_TD.shape[0] * cfg.top_k, device=x_TD.device)
+        expert_ids = (slot % cfg.num_experts).view(-1, cfg.top_k)
+    else:
+        choice = scores if selection_bias is None else scores + selection_bias.float()
+        expert_ids = choice.topk(cfg.top_k, dim=-1).indices
     weights = scores.gather(-1, expert_ids)
     if cfg.route_norm:
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)

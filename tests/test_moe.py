@@ -77,6 +77,21 @@ def test_selection_bias_changes_the_choice_not_the_weights():
         torch.testing.assert_close(biased.weights[t], torch.tensor(weights), rtol=1e-5, atol=1e-6)
 
 
+
+def test_forced_load_balance_gives_every_expert_the_same_load_and_keeps_the_router_trained():
+    cfg = attrs.evolve(CFG, force_load_balance=True)
+    torch.manual_seed(2)
+    x, router = torch.randn(12, cfg.dim), torch.randn(cfg.num_experts, cfg.dim, requires_grad=True)
+    routing = moe.route(x, router, cfg)
+    load = torch.bincount(routing.expert_ids.flatten(), minlength=cfg.num_experts)
+    assert load.tolist() == [12 * cfg.top_k // cfg.num_experts] * cfg.num_experts
+    assert all(len(set(row)) == cfg.top_k for row in routing.expert_ids.tolist())
+    for t, (_, _, scores) in enumerate(_hand_route(x, router, cfg)):
+        chosen = [scores[e] for e in routing.expert_ids[t].tolist()]
+        torch.testing.assert_close(routing.weights[t], torch.tensor(chosen) / sum(chosen), rtol=1e-5, atol=1e-6)
+    routing.weights[:, 0].sum().backward()
+    assert router.grad is not None and router.grad.abs().sum() > 0
+
 def _reference_moe(p: dict, x_TD: torch.Tensor, cfg: MoEConfig, kept=None) -> torch.Tensor:
     """A dense loop: each token through each of its kept top-k experts, weighted, plus shared."""
     ex = p["experts"]
