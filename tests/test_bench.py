@@ -100,3 +100,22 @@ def test_every_suite_setup_is_a_valid_command():
         shape = bench_args[bench_args.index("--shape") + 1]
         dtrain_flags = bench_args[bench_args.index("--") + 1:]
         load_config([*SHAPES[shape], *dtrain_flags])  # raises on an unknown flag or choice
+
+
+def test_gpu_busy_summary_merges_overlapping_kernels_per_kind():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def kernel(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    # Compute kernels cover [0, 400), [600, 700) and [900, 1000) us, NCCL [300, 500): of 1 ms,
+    # [500, 600) and [700, 900) have no kernel.
+    events = [kernel("gemm", 0, 300), kernel("silu", 250, 400), kernel("add", 600, 700),
+              kernel("ncclDevKernel_SendRecv", 300, 500), kernel("aten::mm", 0, 1000, DeviceType.CPU),
+              kernel("copy", 900, 1000)]
+    summary = bench.gpu_busy_summary(events, wall_s=1e-3)
+    assert "compute kernels running: 0.6 ms (60.0%)" in summary
+    assert "communication kernels running: 0.2 ms (20.0%)" in summary
+    assert "no kernel running: 0.3 ms (30.0%)" in summary

@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # Named shapes: model preset and the data shape that BENCHMARKS.md measures it with.
@@ -66,11 +67,41 @@ def _commit() -> str:
         return "unknown"
 
 
+def _covered_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered
+
+
+def gpu_busy_summary(events, wall_s: float) -> str:
+    """How much of the profiled wall time some GPU kernel ran, for compute and for communication
+    (NCCL) kernels apart: the time neither covers is the GPU waiting for the host."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    spans = {kind: [(e.time_range.start, e.time_range.end) for e in kernels
+                    if ("nccl" in e.name.lower()) == (kind == "communication")]
+             for kind in ("compute", "communication")}
+    wall_us = wall_s * 1e6
+    lines = [f"profiled wall time: {wall_s * 1e3:.1f} ms"]
+    for kind, intervals in spans.items():
+        covered = _covered_us(intervals)
+        lines.append(f"{kind} kernels running: {covered / 1e3:.1f} ms ({100 * covered / wall_us:.1f}%)")
+    idle = wall_us - _covered_us(spans["compute"] + spans["communication"])
+    lines.append(f"no kernel running: {idle / 1e3:.1f} ms ({100 * idle / wall_us:.1f}%)")
+    return "\n".join(lines) + "\n"
+
+
 class Profiler:
-    """Profiles three steps after warm-up and writes the top kernels and a trace to `out_dir`."""
+    """Profiles three steps after warm-up and writes to `out_dir` how busy the GPU was and the top kernels."""
 
     def __init__(self, out_dir: Path | None, first_step: int):
         self.out_dir, self.first_step, self.profiler = out_dir, first_step, None
+        self.started = 0.0
 
     def __call__(self, step: int) -> None:
         import torch
@@ -83,15 +114,18 @@ class Profiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
+            self.started = time.perf_counter()
         elif step == self.first_step + 3 and self.profiler is not None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            wall_s = time.perf_counter() - self.started
             self.profiler.__exit__(None, None, None)
             rank = os.environ.get("RANK", "0")
             self.out_dir.mkdir(parents=True, exist_ok=True)
             sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
             table = self.profiler.key_averages().table(sort_by=sort, row_limit=40)
-            (self.out_dir / f"profile_rank{rank}.txt").write_text(table)
+            summary = gpu_busy_summary(self.profiler.events(), wall_s)
+            (self.out_dir / f"profile_rank{rank}.txt").write_text(f"{summary}\n{table}")
             self.profiler = None
 
 

@@ -24,11 +24,13 @@ LONG = ["--seq-len", "32768", "--micro-batch", "1"]
 PP = ["--mesh", "pp=2", "--micro-batch", "1"]
 
 # name -> (processes, tools.bench arguments); "cpu" setups run without GPUs (a smoke test).
-# MoE on 2 GPUs: each mesh (and expert dispatch) with each way of accumulating 4 micro-batches.
+# MoE on 2 GPUs: each mesh (and expert dispatch) with each way of accumulating 4 micro-batches,
+# routed by the router or, as the peers benchmark, with every expert given the same load.
 _MOE_MESHES = {"dp=2": ["--mesh", "dp=2"], "dp=2,ep=2": ["--mesh", "dp=2,ep=2"],
                "dp=2,ep=2 allgather": ["--mesh", "dp=2,ep=2", "--ep-dispatch", "allgather"]}
 _MOE_OPTIONS = {"": [], " reduce-once": ["--fsdp-reduce-once"],
                 " reduce-once no-reshard": ["--fsdp-reduce-once", "--fsdp-reshard-after-forward", "never"]}
+_MOE_ROUTING = {"": [], " balanced": ["--model-overrides", "force_load_balance=true"]}
 
 SUITE: dict[str, tuple[int, list[str]]] = {
     "cpu tiny": (1, ["--shape", "tiny", "--steps", "3", "--warmup", "1", "--", "--precision", "fp32"]),
@@ -57,9 +59,10 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                                               "--fsdp-reshard-after-forward", "never"]),
     "llama-8b tp=2 sp": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "tp=2", "--sequence-parallel",
                              "--recompute", "selective"]),
-    **{f"mixtral-small {mesh}{name}": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile", *mesh_args,
-                                             "--global-batch", "16", *options])
-       for mesh, mesh_args in _MOE_MESHES.items() for name, options in _MOE_OPTIONS.items()},
+    **{f"mixtral-small {mesh}{name}{routing}": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile",
+                                                      *mesh_args, "--global-batch", "16", *options, *balance])
+       for mesh, mesh_args in _MOE_MESHES.items() for name, options in _MOE_OPTIONS.items()
+       for routing, balance in _MOE_ROUTING.items()},
 }
 
 
