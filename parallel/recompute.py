@@ -1,6 +1,6 @@
 """Activation recompute of blocks: none, selective (keep the outputs of matmuls, grouped GEMMs,
-attention and collectives; recompute the cheap element-wise ops and norms) or full (keep only
-the block input)."""
+attention, collectives and FP8 amaxes; recompute the cheap element-wise ops and norms) or full
+(keep only the block input)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ _SAVED_OPS = {
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # FP8 scaling's amax (torchao's max of |x| per tensor, amax per row): a few numbers, but
+    # recomputing them reads the whole tensor again.
+    _aten.max.default,
+    _aten.amax.default,
     # Collectives (tensor parallelism's gathers and reductions, expert parallelism's all-to-alls):
     # recomputing one would send the same data again, in the backward's critical path.
     _c10d.all_gather_into_tensor.default,

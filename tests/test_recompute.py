@@ -1,5 +1,5 @@
 """Activation recompute: every mode trains to the same losses, and selective recompute re-runs the
-cheap element-wise ops but never a GEMM, a grouped GEMM or a collective."""
+cheap element-wise ops but never a GEMM, a grouped GEMM, a collective or an FP8 amax."""
 
 from __future__ import annotations
 
@@ -46,8 +46,10 @@ def test_selective_recompute_reruns_element_wise_ops_only(one_rank_group):
     counts = torch.tensor([4, 0, 6])
 
     def block(x, w_in, w_gate, w_up, w_down):
-        # A matmul, an all-to-all (identity on one rank, as in expert parallelism), the experts' grouped GEMMs.
-        h = F.silu(x @ w_in)
+        # A matmul scaled as FP8 scales (tensorwise and rowwise amax), an all-to-all (identity on
+        # one rank, as in expert parallelism), the experts' grouped GEMMs.
+        h = (x / x.abs().max()) @ w_in
+        h = F.silu(h / h.abs().amax(dim=-1, keepdim=True))
         h = funcol.all_to_all_single_autograd(h.contiguous(), None, None, one_rank_group)
         return grouped_swiglu(h, counts, w_gate, w_up, w_down, use_grouped_mm=True)
 
@@ -66,7 +68,8 @@ def test_selective_recompute_reruns_element_wise_ops_only(one_rank_group):
     for mode in ("selective", "full"):
         for a, b in zip(grads[mode], grads["none"]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    expensive = [(_aten.mm.default,), (_aten._grouped_mm.default,), _ALL_TO_ALL]
+    expensive = [(_aten.mm.default,), (_aten._grouped_mm.default,), _ALL_TO_ALL, (_aten.max.default,),
+                 (_aten.amax.default,)]
     for ops in expensive:
         assert calls("none", *ops) > 0, ops
         assert calls("selective", *ops) == calls("none", *ops), ops  # saved, not recomputed
