@@ -50,6 +50,13 @@ class ModelContext(Protocol):
         w_gate, w_up [num_experts, mlp, embed], w_down [num_experts, embed, mlp]. Returns
         [rows, embed], row i being its expert's output for x[i], in the same order."""
 
+    def experts_on_tokens(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                          w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts on whole tokens, for a context that exchanges tokens rather than
+        rows sorted by expert: x [tokens, embed], expert_ids and weights [tokens, top_k] (dropless
+        routing). Returns [tokens, embed], each token's weighted sum of its experts' outputs; or
+        None, and the caller sorts rows by expert and calls `experts`."""
+
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -203,3 +210,6 @@ class LocalContext:
 
     def experts(self, x, counts, w_gate, w_up, w_down):
         return grouped_swiglu(x, counts, w_gate, w_up, w_down)
+
+    def experts_on_tokens(self, x, expert_ids, weights, w_gate, w_up, w_down):
+        return None

@@ -4,7 +4,10 @@
 
 `ctx.experts` is the only step that depends on where the experts live: on one device it is a
 grouped GEMM, under expert parallelism an all-to-all of the sorted rows to the ranks that hold
-their experts and back. Everything before and after it is here and the same on every mesh.
+their experts and back. Everything before and after it is here and the same on every mesh. A
+context that exchanges whole tokens instead (expert parallelism by all-gather, which sends each
+token once rather than top_k times) takes the routed tokens through `ctx.experts_on_tokens`,
+which then permutes and combines on its own.
 
 Router losses reach the gradient without changing any layer's signature: `AddAuxiliaryLoss`
 passes the MoE output through unchanged and, in backward, also seeds the losses' gradient
@@ -228,11 +231,13 @@ def moe_forward(p: dict, x: torch.Tensor, cfg: MoEConfig, ctx: ModelContext, *, 
     aux_loss = load_balancing_loss(routing, ctx.sum_over_token_shards(dispatched.load), cfg.score_func)
     z_loss = router_z_loss(routing)
 
-    experts = p["experts"]
-    tokens_SD = x_TD[dispatched.slots // cfg.top_k]
-    expert_out_SD = ctx.experts(tokens_SD, dispatched.counts, experts["w_gate"], experts["w_up"],
-                                experts["w_down"])
-    out_TD = combine(expert_out_SD, routing, dispatched.slots)
+    expert_weights = p["experts"]["w_gate"], p["experts"]["w_up"], p["experts"]["w_down"]
+    out_TD = None
+    if cfg.capacity_factor is None:
+        out_TD = ctx.experts_on_tokens(x_TD, routing.expert_ids, routing.weights, *expert_weights)
+    if out_TD is None:
+        expert_out_SD = ctx.experts(x_TD[dispatched.slots // cfg.top_k], dispatched.counts, *expert_weights)
+        out_TD = combine(expert_out_SD, routing, dispatched.slots)
     if "shared" in p:
         out_TD = out_TD + swiglu_block(p["shared"], x_TD, ctx)
 

@@ -14,18 +14,20 @@ graphs, each compiled again at step 2 (FSDP's gathered expert weights change req
 the first step) and again when its sizes went dynamic. The grouped SwiGLU inside it is compiled
 on its own, with dynamic row counts from the start.
 
-`--ep-dispatch allgather` exchanges rows without a host sync and with static shapes, so the
-whole exchange compiles into one graph of its own (Megatron's all-gather token dispatcher, for
-small ep):
+`--ep-dispatch allgather` exchanges whole tokens without a host sync and with static shapes, so
+the whole exchange compiles into one graph of its own (Megatron's all-gather token dispatcher, for
+small ep). It is `ModelContext.experts_on_tokens`: it gets the routed tokens, not sorted rows.
 
-    all-gather every rank's rows and counts -> this rank's experts' rows first, grouped by expert
-    -> grouped SwiGLU over them (the other rows masked to zero) -> back to gathered order
-    -> reduce-scatter: each rank sums, for its own rows, the one output that their expert's rank made
+    all-gather every rank's tokens, expert choices and routing weights
+    -> the slots of this rank's experts first, grouped by expert -> grouped SwiGLU over them (the
+       other slots masked to zero) -> weighted and summed per token, as `models.moe.combine` does
+    -> reduce-scatter: each rank sums, for its own tokens, the partial sums every rank made
 
-It sends ep times the all-to-all's bytes (every row goes to every rank, and every output back) and
-needs the same row count on every rank, which dropless routing gives (top_k rows per token).
+Each way, a rank moves ep - 1 rows per token it holds, where the balanced all-to-all moves
+top_k (ep - 1) / ep: ep / top_k times the all-to-all's bytes (the same at ep=2 with top-2), and
+no more when routing is uneven. Every rank must hold the same number of tokens.
 
-Backward is plain autograd through the differentiable all-to-alls and the permutations, so a
+Backward is plain autograd through the differentiable collectives and the permutations, so a
 local expert's weight gradient sums the contributions of every rank's tokens routed to it: the
 expert gradients are reduced over exactly the ranks that send tokens to those experts, with no
 extra collective. A data-parallel reduction over the ranks that hold the *same* experts (other
@@ -44,14 +46,14 @@ from models.errors import UserError
 
 
 def _check_shapes(x, counts, weights, num_experts: int, ep: int) -> int:
-    """Experts per rank, after checking that the sizes agree."""
+    """Experts per rank, after checking that the sizes agree (`counts` may be None)."""
     if num_experts % ep:
         raise UserError(
             f"num_experts={num_experts} is not divisible by ep={ep}; expert parallelism gives each rank "
             f"the same number of experts, so choose an ep that divides {num_experts}"
         )
     local_experts = num_experts // ep
-    if counts.shape != (num_experts,):
+    if counts is not None and counts.shape != (num_experts,):
         raise UserError(f"counts has shape {tuple(counts.shape)}; expected ({num_experts},), one per expert")
     for name, weight in zip(("w_gate", "w_up", "w_down"), weights):
         if weight.shape[0] != local_experts:
@@ -116,41 +118,47 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
     return funcol.all_to_all_single_autograd(out_received.contiguous(), send_splits, receive_splits, group)
 
 
-def _local_expert_order(all_counts: torch.Tensor, rank: int, rows_per_rank: int):
-    """For the gathered rows (rank-major; each rank's rows sorted by expert, `all_counts` [ep, E]
-    of them per expert): the permutation that puts this rank's experts' rows first, grouped by
-    local expert; the rows per local expert; and which positions of the permuted rows are theirs."""
-    ep, num_experts = all_counts.shape
-    local_experts = num_experts // ep
-    device, total = all_counts.device, ep * rows_per_rank
-    expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=device).repeat(ep),
-                                            all_counts.flatten(), output_size=total)
-    local_expert = expert_of_row - rank * local_experts
+def _local_slot_order(all_expert_ids: torch.Tensor, rank: int, local_experts: int):
+    """For the gathered tokens' top-k slots (`all_expert_ids` [tokens, k]; slot t * k + j is token
+    t's j-th choice): the permutation that puts the slots of this rank's experts first, grouped by
+    local expert; the slots per local expert; and which positions of the permuted slots are theirs."""
+    local_expert = all_expert_ids.flatten() - rank * local_experts
     is_local = (local_expert >= 0) & (local_expert < local_experts)
-    order = torch.argsort(torch.where(is_local, local_expert, local_experts), stable=True)
-    local_counts = all_counts[:, rank * local_experts:(rank + 1) * local_experts].sum(0)
-    valid = torch.arange(total, device=device) < local_counts.sum()
+    key = torch.where(is_local, local_expert, local_experts)
+    order = torch.argsort(key, stable=True)
+    # A scatter-add rather than bincount, whose output size depends on the data.
+    per_key = torch.zeros(local_experts + 1, dtype=torch.long, device=key.device).scatter_add_(
+        0, key, torch.ones_like(key))
+    local_counts = per_key[:local_experts]
+    valid = torch.arange(key.numel(), device=key.device) < local_counts.sum()
     return order, local_counts, valid
 
 
-def expert_parallel_swiglu_allgather(x: torch.Tensor, counts: torch.Tensor, w_gate_local: torch.Tensor,
-                                     w_up_local: torch.Tensor, w_down_local: torch.Tensor, *,
-                                     group: dist.ProcessGroup, num_experts: int,
+def expert_parallel_tokens_allgather(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                                     w_gate_local: torch.Tensor, w_up_local: torch.Tensor,
+                                     w_down_local: torch.Tensor, *, group: dist.ProcessGroup, num_experts: int,
                                      swiglu=grouped_swiglu) -> torch.Tensor:
-    """`expert_parallel_swiglu` by all-gather and reduce-scatter (the module docstring); every rank
-    of `group` must hold the same number of rows."""
+    """`ModelContext.experts_on_tokens` by all-gather and reduce-scatter (the module docstring):
+    x [tokens, embed], expert_ids and weights [tokens, top_k] this rank's routed tokens; every rank
+    of `group` must hold the same number of tokens. Returns [tokens, embed]: each token's weighted
+    sum of its top-k experts' outputs."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_shapes(x, counts, (w_gate_local, w_up_local, w_down_local), num_experts, ep)
-    all_rows = funcol.all_gather_tensor_autograd(x.contiguous(), 0, group)
-    all_counts = funcol.all_gather_tensor(counts.to(torch.int64).contiguous(), 0, group).view(ep, num_experts)
-    order, local_counts, valid = _local_expert_order(all_counts, rank, x.shape[0])
+    local_experts = _check_shapes(x, None, (w_gate_local, w_up_local, w_down_local), num_experts, ep)
+    top_k = expert_ids.shape[1]
+    all_x = funcol.all_gather_tensor_autograd(x.contiguous(), 0, group)
+    all_ids = funcol.all_gather_tensor(expert_ids.contiguous(), 0, group)
+    all_weights = funcol.all_gather_tensor_autograd(weights.contiguous(), 0, group)
+    order, local_counts, valid = _local_slot_order(all_ids, rank, local_experts)
     valid = valid[:, None]
-    # The rows past this rank's experts' are zeroed on the way in and out, so that neither their
+    # The slots past this rank's experts' are zeroed on the way in and out, so that neither their
     # values nor their gradients depend on what the kernel leaves there.
-    hidden = torch.where(valid, all_rows[order], 0)
+    hidden = torch.where(valid, all_x[order // top_k], 0)
     out_sorted = torch.where(valid, swiglu(hidden, local_counts, w_gate_local, w_up_local, w_down_local), 0)
-    out_gathered = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
-    return funcol.reduce_scatter_tensor_autograd(out_gathered, "sum", 0, group)
+    # As `models.moe.combine`: weighted in fp32, back in slot order, summed over each token's k.
+    weighted = out_sorted.float() * all_weights.flatten()[order, None]
+    by_slot = torch.zeros_like(weighted).index_copy(0, order, weighted)
+    partial = by_slot.view(-1, top_k, x.shape[-1]).sum(1).to(x.dtype)
+    return funcol.reduce_scatter_tensor_autograd(partial, "sum", 0, group)
 
 
 def _local(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -180,15 +188,13 @@ def ep_size(group: dist.ProcessGroup | None) -> int:
 _compiled_grouped_swiglu = torch.compile(grouped_swiglu, dynamic=True)
 
 
-def _on_local_tensors(exchange, x, counts, w_gate, w_up, w_down, **kwargs) -> torch.Tensor:
+def _on_local_tensors(exchange, x, *tensors, **kwargs) -> torch.Tensor:
     """`exchange` on this rank's tensors (the weights: its block of experts, plain or DTensors
-    sharded on dim 0 over the ep mesh dim; a DTensor `x`, activations laid out over tp/cp: its
-    local rows, this rank's tokens), the output re-wrapped with x's layout."""
+    sharded on dim 0 over the ep mesh dim; a DTensor `x`, activations laid out over tp/cp, and
+    what was computed from it: its local rows, this rank's tokens), the output re-wrapped with x's
+    layout."""
     layout = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
-    out = exchange(
-        _local(x, "x"), _local(counts, "counts"), _local(w_gate, "w_gate"), _local(w_up, "w_up"),
-        _local(w_down, "w_down"), num_experts=counts.shape[0], **kwargs,
-    )
+    out = exchange(_local(x, "x"), *(_local(t, f"input {i}") for i, t in enumerate(tensors, 2)), **kwargs)
     return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
 
 
@@ -203,21 +209,26 @@ def experts_over_group(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tens
     swiglu = _compiled_grouped_swiglu if compile_experts else grouped_swiglu
     if ep_size(group) == 1:
         return swiglu(x, counts, w_gate, w_up, w_down)
-    return _on_local_tensors(expert_parallel_swiglu, x, counts, w_gate, w_up, w_down, group=group, swiglu=swiglu)
+    return _on_local_tensors(expert_parallel_swiglu, x, counts, w_gate, w_up, w_down, group=group, swiglu=swiglu,
+                             num_experts=counts.shape[0])
 
 
-_compiled_allgather_swiglu = torch.compile(expert_parallel_swiglu_allgather)
+_compiled_tokens_allgather = torch.compile(expert_parallel_tokens_allgather)
 
 
 @torch.compiler.disable
-def experts_by_allgather(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                         w_down: torch.Tensor, *, group: dist.ProcessGroup, compile_experts: bool = False) -> torch.Tensor:
-    """`experts_over_group` with `--ep-dispatch allgather`. The local tensors are taken outside
-    compiled graphs: traced inside the block, FSDP's gathered expert weights (DTensors) change
-    requires_grad after the first step and the block compiles again. `compile_experts` compiles
-    the exchange on its own, once (its shapes are static)."""
-    exchange = _compiled_allgather_swiglu if compile_experts else expert_parallel_swiglu_allgather
-    return _on_local_tensors(exchange, x, counts, w_gate, w_up, w_down, group=group)
+def experts_on_tokens_by_allgather(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                                   w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+                                   group: dist.ProcessGroup, compile_experts: bool = False) -> torch.Tensor:
+    """`expert_parallel_tokens_allgather` on possibly-DTensor inputs. The local tensors are taken
+    outside compiled graphs: traced inside the block, FSDP's gathered expert weights (DTensors)
+    change requires_grad after the first step and the block compiles again. `compile_experts`
+    compiles the exchange on its own, once (its shapes are static)."""
+    exchange = _compiled_tokens_allgather if compile_experts else expert_parallel_tokens_allgather
+    # A DTensor weight has the global expert count as its shape; a plain one is this rank's block.
+    num_experts = w_gate.shape[0] if isinstance(w_gate, DTensor) else w_gate.shape[0] * ep_size(group)
+    return _on_local_tensors(exchange, x, expert_ids, weights, w_gate, w_up, w_down, group=group,
+                             num_experts=num_experts)
 
 
 class ExpertParallelContextMixin:
@@ -229,11 +240,14 @@ class ExpertParallelContextMixin:
     ep_dispatch: str = "alltoall"
     compile_experts: bool = False
 
+    def experts_on_tokens(self, x, expert_ids, weights, w_gate, w_up, w_down):
+        if ep_size(self.ep_group) == 1 or self.ep_dispatch != "allgather":
+            return super().experts_on_tokens(x, expert_ids, weights, w_gate, w_up, w_down)
+        return experts_on_tokens_by_allgather(x, expert_ids, weights, w_gate, w_up, w_down, group=self.ep_group,
+                                              compile_experts=self.compile_experts)
+
     def experts(self, x, counts, w_gate, w_up, w_down):
         if ep_size(self.ep_group) == 1:
             return super().experts(x, counts, w_gate, w_up, w_down)
-        if self.ep_dispatch == "allgather":
-            return experts_by_allgather(x, counts, w_gate, w_up, w_down, group=self.ep_group,
-                                        compile_experts=self.compile_experts)
         return experts_over_group(x, counts, w_gate, w_up, w_down, group=self.ep_group,
                                   compile_experts=self.compile_experts)

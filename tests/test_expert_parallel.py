@@ -18,7 +18,8 @@ from tests.workers import ep_dispatch
 RTOL = 1e-5
 WORLD = 4
 EP_SIZES = (2, 4)
-RUNS = [f"ep{ep}/{case}" for ep in EP_SIZES for case in (*ep_dispatch.CASES, "moe_forward")]
+RUNS = [f"ep{ep}/{case}" for ep in EP_SIZES
+        for case in (*ep_dispatch.CASES, "moe_forward_alltoall", "moe_forward_allgather")]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,8 @@ def rank_results(tmp_path_factory) -> list[dict]:
 def test_matches_all_experts_on_one_process_on_every_rank(rank_results, run):
     for rank, results in enumerate(rank_results):
         errors = results[run]
-        assert set(errors) == {"out", "dx", "dw_gate", "dw_up", "dw_down"}
+        token_case = "allgather" in run and "moe_forward" not in run  # also checks the routing weights' gradient
+        assert set(errors) == {"out", "dx", "dw_gate", "dw_up", "dw_down"} | ({"drouting"} if token_case else set())
         for name, error in errors.items():
             assert error <= RTOL, f"rank {rank} {run}: {name} relative error {error:.2e}"
 
@@ -67,4 +69,7 @@ def test_without_expert_parallelism_it_is_the_local_path():
                torch.randn(4, 8, 12, generator=generator)]
     expected = LocalContext().experts(x, counts, *weights)
     assert torch.equal(Context().experts(x, counts, *weights), expected)
+    # Without an all-gather group, tokens take the row path (sorted by expert, then `experts`).
+    ids, routing = torch.tensor([[0, 2], [3, 0], [2, 1]]), torch.rand(3, 2, generator=generator)
+    assert Context().experts_on_tokens(x[:3], ids, routing, *weights) is None
     assert torch.equal(experts_over_group(x, counts, *weights, group=None), expected)

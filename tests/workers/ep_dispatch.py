@@ -25,17 +25,18 @@ from models.config import MoEConfig
 from models.context import LocalContext, grouped_swiglu
 from models.errors import UserError
 from parallel.expert_parallel import (ExpertParallelContextMixin, expert_parallel_swiglu,
-                                      expert_parallel_swiglu_allgather)
+                                      expert_parallel_tokens_allgather)
 
 NUM_EXPERTS, EMBED, MLP = 8, 16, 24
 # "cpu" in the tests; main sets "cuda:<rank>" for a manual check on GPUs (NCCL, grouped GEMM).
 _device = "cpu"
 CASES = ("uneven", "one_rank_sends_nothing", "one_rank_receives_nothing", "dtensor_inputs_via_mixin",
-         # --ep-dispatch allgather: the same rows on every rank (dropless routing), spread unevenly
-         # over the experts; through the expert loop, and through the grouped GEMM with its masked rows.
+         # --ep-dispatch allgather (`experts_on_tokens`): the same number of routed tokens on every
+         # rank, spread unevenly over the experts; through the expert loop, and through the grouped
+         # GEMM with its masked rows.
          "allgather", "allgather_one_rank_receives_nothing", "allgather_grouped_mm",
          "allgather_dtensor_inputs_via_mixin")
-ALLGATHER_ROWS = 20
+ALLGATHER_TOKENS, TOP_K = 10, 2
 
 
 class _ExpertParallelContext(ExpertParallelContextMixin, LocalContext):
@@ -52,14 +53,6 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _counts(case: str, rank: int, ep: int, generator: torch.Generator) -> torch.Tensor:
-    if case.startswith("allgather"):
-        # ALLGATHER_ROWS rows on every rank, over the experts some rank chooses (expert 3: none).
-        chosen = torch.ones(NUM_EXPERTS)
-        chosen[3] = 0
-        if case == "allgather_one_rank_receives_nothing":
-            chosen[-NUM_EXPERTS // ep:] = 0
-        experts = torch.multinomial(chosen, ALLGATHER_ROWS, replacement=True, generator=generator)
-        return torch.bincount(experts, minlength=NUM_EXPERTS)
     counts = torch.randint(0, 7, (NUM_EXPERTS,), generator=generator)
     counts[3] = 0  # an expert that no rank routes to
     counts[0] = 5 + rank  # uneven over ranks, and never an empty rank by chance
@@ -70,11 +63,15 @@ def _counts(case: str, rank: int, ep: int, generator: torch.Generator) -> torch.
     return counts
 
 
+def _expert_weights(generator: torch.Generator) -> list[torch.Tensor]:
+    return [(torch.randn(shape, generator=generator) * 0.3).to(_device)
+            for shape in ((NUM_EXPERTS, MLP, EMBED), (NUM_EXPERTS, MLP, EMBED), (NUM_EXPERTS, EMBED, MLP))]
+
+
 def _inputs(case: str, seed: int, ep: int):
     """Every rank's (x, counts, upstream gradient) and the full expert weights, the same on each rank."""
     generator = torch.Generator().manual_seed(seed)
-    weights = [(torch.randn(shape, generator=generator) * 0.3).to(_device)
-               for shape in ((NUM_EXPERTS, MLP, EMBED), (NUM_EXPERTS, MLP, EMBED), (NUM_EXPERTS, EMBED, MLP))]
+    weights = _expert_weights(generator)
     per_rank = []
     for rank in range(ep):
         counts = _counts(case, rank, ep, generator)
@@ -111,15 +108,9 @@ def _check_case(case: str, seed: int, mesh, rank: int) -> dict[str, float]:
         # DTensor weights sharded over ep, and x as a DTensor whose local rows are this rank's tokens.
         local = [distribute_tensor(w, mesh, [Shard(0)]).requires_grad_() for w in weights]
         x_rows = DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
-        dispatch = "allgather" if case.startswith("allgather") else "alltoall"
-        out = _ExpertParallelContext(group, dispatch).experts(x_rows, counts, *local)
+        out = _ExpertParallelContext(group).experts(x_rows, counts, *local)
         assert isinstance(out, DTensor) and out.placements == x_rows.placements
         out = out.to_local()
-    elif case.startswith("allgather"):
-        local = [w[block].clone().requires_grad_() for w in weights]
-        swiglu = functools.partial(grouped_swiglu, use_grouped_mm=case == "allgather_grouped_mm")
-        out = expert_parallel_swiglu_allgather(x, counts, *local, group=group, num_experts=NUM_EXPERTS,
-                                               swiglu=swiglu)
     else:
         local = [w[block].clone().requires_grad_() for w in weights]
         out = expert_parallel_swiglu(x, counts, *local, group=group, num_experts=NUM_EXPERTS)
@@ -131,8 +122,74 @@ def _check_case(case: str, seed: int, mesh, rank: int) -> dict[str, float]:
     return errors
 
 
-def _check_moe_forward(seed: int, mesh, rank: int) -> dict[str, float]:
-    """The whole MoE layer (routing, dispatch, combine, aux loss) with the expert-parallel context."""
+
+def _token_inputs(case: str, seed: int, ep: int):
+    """Every rank's (tokens, expert ids, routing weights, upstream gradient) and the full expert weights."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = _expert_weights(generator)
+    chosen = torch.ones(NUM_EXPERTS)
+    chosen[3] = 0  # an expert that no rank routes to
+    if case == "allgather_one_rank_receives_nothing":
+        chosen[-NUM_EXPERTS // ep:] = 0  # the last rank's experts get no tokens from anyone
+    per_rank = []
+    for _ in range(ep):
+        ids = torch.stack([torch.multinomial(chosen, TOP_K, generator=generator) for _ in range(ALLGATHER_TOKENS)])
+        routing = torch.rand(ALLGATHER_TOKENS, TOP_K, generator=generator) + 0.1
+        x = torch.rand(ALLGATHER_TOKENS, EMBED, generator=generator) + 0.5
+        grad = torch.randn(ALLGATHER_TOKENS, EMBED, generator=generator)
+        per_rank.append(tuple(t.to(_device) for t in (x, ids, routing, grad)))
+    return per_rank, weights
+
+
+def _token_reference(per_rank, weights):
+    """Outputs, d(x) and d(routing weights) per rank, by the row path of one process (sort by
+    expert, all experts, combine), and the full weights' gradients summed over every rank's tokens."""
+    full = [w.clone().requires_grad_() for w in weights]
+    outputs, x_grads, routing_grads = [], [], []
+    for x, ids, routing, grad in per_rank:
+        x, routing = x.clone().requires_grad_(), routing.clone().requires_grad_()
+        slots = torch.argsort(ids.flatten(), stable=True)
+        counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)
+        rows = LocalContext().experts(x[slots // TOP_K], counts, *full)
+        out = moe.combine(rows, moe.Routing(ids, routing, None, None), slots)
+        (out * grad).sum().backward()
+        outputs.append(out.detach())
+        x_grads.append(x.grad)
+        routing_grads.append(routing.grad)
+    return outputs, x_grads, routing_grads, [w.grad for w in full]
+
+
+def _check_token_case(case: str, seed: int, mesh, rank: int) -> dict[str, float]:
+    """`_check_case` for `experts_on_tokens` by all-gather; also compares d(routing weights)."""
+    group, ep = mesh.get_group(), mesh.size()
+    per_rank, weights = _token_inputs(case, seed, ep)
+    ref_out, ref_dx, ref_drouting, ref_dw = _token_reference(per_rank, weights)
+    block = slice(rank * NUM_EXPERTS // ep, (rank + 1) * NUM_EXPERTS // ep)
+
+    x, ids, routing, grad = per_rank[rank]
+    x, routing = x.clone().requires_grad_(), routing.clone().requires_grad_()
+    if case.endswith("dtensor_inputs_via_mixin"):
+        local = [distribute_tensor(w, mesh, [Shard(0)]).requires_grad_() for w in weights]
+        tokens = [DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for t in (x, ids, routing)]
+        out = _ExpertParallelContext(group, "allgather").experts_on_tokens(*tokens, *local)
+        assert isinstance(out, DTensor) and out.placements == tokens[0].placements
+        out = out.to_local()
+    else:
+        local = [w[block].clone().requires_grad_() for w in weights]
+        swiglu = functools.partial(grouped_swiglu, use_grouped_mm=case == "allgather_grouped_mm")
+        out = expert_parallel_tokens_allgather(x, ids, routing, *local, group=group, num_experts=NUM_EXPERTS,
+                                               swiglu=swiglu)
+    (out * grad).sum().backward()
+    dw = [w.grad.to_local() if hasattr(w.grad, "to_local") else w.grad for w in local]
+    errors = {"out": _relative_error(out.detach(), ref_out[rank]), "dx": _relative_error(x.grad, ref_dx[rank]),
+              "drouting": _relative_error(routing.grad, ref_drouting[rank])}
+    errors.update({f"d{name}": _relative_error(actual, expected[block])
+                   for name, actual, expected in zip(("w_gate", "w_up", "w_down"), dw, ref_dw)})
+    return errors
+
+def _check_moe_forward(seed: int, mesh, rank: int, dispatch: str) -> dict[str, float]:
+    """The whole MoE layer (routing, dispatch, combine, aux loss) with the expert-parallel context;
+    uneven token counts over ranks for the all-to-all."""
     group, ep = mesh.get_group(), mesh.size()
     cfg = MoEConfig(dim=EMBED, num_layers=1, num_heads=2, num_kv_heads=2, vocab_size=32,
                     num_experts=NUM_EXPERTS, top_k=2, expert_ffn_dim=MLP)
@@ -141,8 +198,8 @@ def _check_moe_forward(seed: int, mesh, rank: int) -> dict[str, float]:
     experts = {name: (torch.randn(shape, generator=generator) * 0.3).to(_device) for name, shape in
                (("w_gate", (NUM_EXPERTS, MLP, EMBED)), ("w_up", (NUM_EXPERTS, MLP, EMBED)),
                 ("w_down", (NUM_EXPERTS, EMBED, MLP)))}
-    tokens = [tuple(torch.randn(2, 3 + r, EMBED, generator=generator).to(_device) for _ in range(2))
-              for r in range(ep)]
+    tokens = [tuple(torch.randn(2, 3 + (r if dispatch == "alltoall" else 0), EMBED, generator=generator).to(_device)
+                    for _ in range(2)) for r in range(ep)]
     full = {name: w.clone().requires_grad_() for name, w in experts.items()}
     for r, (x, grad) in enumerate(tokens):
         x = x.clone().requires_grad_()
@@ -154,7 +211,7 @@ def _check_moe_forward(seed: int, mesh, rank: int) -> dict[str, float]:
     block = slice(rank * NUM_EXPERTS // ep, (rank + 1) * NUM_EXPERTS // ep)
     local = {name: w[block].clone().requires_grad_() for name, w in experts.items()}
     x, grad = tokens[rank][0].clone().requires_grad_(), tokens[rank][1]
-    out = moe.moe_forward({"router": router, "experts": local}, x, cfg, _ExpertParallelContext(group))
+    out = moe.moe_forward({"router": router, "experts": local}, x, cfg, _ExpertParallelContext(group, dispatch))
     (out * grad).sum().backward()
     errors = {"out": _relative_error(out.detach(), ref_out), "dx": _relative_error(x.grad, ref_dx)}
     errors.update({f"d{name}": _relative_error(local[name].grad, full[name].grad[block]) for name in experts})
@@ -202,8 +259,10 @@ def main(rank: int, out_dir: str, device: str = "cpu") -> None:
         seed = 100 * ep + 10 * (rank // ep)
         group_rank = mesh.get_local_rank()
         for index, case in enumerate(CASES):
-            results[f"ep{ep}/{case}"] = _check_case(case, seed + index, mesh, group_rank)
-        results[f"ep{ep}/moe_forward"] = _check_moe_forward(seed + 9, mesh, group_rank)
+            check = _check_token_case if case.startswith("allgather") else _check_case
+            results[f"ep{ep}/{case}"] = check(case, seed + index, mesh, group_rank)
+        for dispatch in ("alltoall", "allgather"):
+            results[f"ep{ep}/moe_forward_{dispatch}"] = _check_moe_forward(seed + 9, mesh, group_rank, dispatch)
     results["errors"] = _user_errors(mesh_2d)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
