@@ -58,7 +58,10 @@ def test_compare_runs_reports_the_largest_relative_difference():
 def test_readme_gets_the_newest_run_of_each_setup_between_its_markers(tmp_path):
     old = {**_pipelined_run(8, 0.5, "1f1b"), "tokens_per_sec_per_gpu": 1000.0, "mfu_pct": 10.0, "seq_len": 4096,
            "precision": "bf16", "peak_mem_gb": 20.0, "device": "NVIDIA H200", "date": "2026-11-01", "commit": "aaa"}
-    new = {**old, "tokens_per_sec_per_gpu": 2000.0, "commit": "bbb"}
+    # The same flags in another order: the same setup.
+    args = old["args"]
+    new = {**old, "tokens_per_sec_per_gpu": 2000.0, "commit": "bbb", "args": args[-2:] + args[:-2]}
+    assert new["args"] != old["args"]
     results = tmp_path / "results.jsonl"
     results.write_text(json.dumps(old) + "\n" + json.dumps(new) + "\n")
     begin, end = bench.README_MARKERS["table"]
