@@ -32,10 +32,11 @@ class ParallelArgs:
                                    "--sequence-parallel and CUDA)")
     cp_comm: str = _field("allgather", "context-parallel attention: all-gather K/V, a ring of K/V "
                           "blocks, or all-to-all to head shards (Ulysses)", choices=("allgather", "ring", "a2a"))
-    ep_dispatch: str = _field("alltoall", "how ep sends rows to their experts: an all-to-all of uneven splits "
+    ep_dispatch: str = _field("auto", "how ep sends tokens to their experts: an all-to-all of uneven splits "
                               "(reads the split sizes on the host every layer), or all-gather + reduce-scatter "
-                              "(more bytes, static shapes and no host sync; dropless routing only)",
-                              choices=("alltoall", "allgather"))
+                              "of whole tokens (ep / top_k times the bytes, static shapes, no host sync; dropless "
+                              "routing only); auto: allgather where ep <= top_k and routing is dropless",
+                              choices=("auto", "alltoall", "allgather"))
     fsdp_reshard_after_forward: str = _field(
         "default", "free each block's gathered parameters after its forward (always), keep them until its "
                    "backward (never: more memory, no backward all-gather), or default: always except the last "

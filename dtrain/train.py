@@ -61,8 +61,8 @@ def _check_model_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
         raise UserError(f"model {name} has {model_cfg.num_experts} experts, not divisible by ep={mesh_spec.ep}; "
                         f"choose an ep that divides {model_cfg.num_experts}")
     if mesh_spec.ep > 1 and config.parallel.ep_dispatch == "allgather" and model_cfg.capacity_factor is not None:
-        raise UserError(f"--ep-dispatch allgather needs the same rows on every ep rank, which only dropless routing "
-                        f"gives; drop capacity_factor={model_cfg.capacity_factor} or use --ep-dispatch alltoall")
+        raise UserError(f"--ep-dispatch allgather sends every token to its experts and drops none; remove "
+                        f"capacity_factor={model_cfg.capacity_factor} or use --ep-dispatch alltoall")
     if is_moe and tp > 1 and d.seq_len % tp:
         raise UserError(f"--seq-len {d.seq_len} is not divisible by tp={tp}: MoE layers split the tokens over tp; "
                         f"use a multiple of {tp}")

@@ -23,6 +23,7 @@ from models import families, flops, llama, moe, spec
 from models.errors import UserError
 from parallel import context_parallel, pipeline, precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_
+from parallel.expert_parallel import choose_dispatch
 from parallel.gradients import clip_grads_
 from parallel.mesh import build_device_mesh, build_expert_mesh
 from parallel.parallelize import add_full_, parallelize
@@ -51,6 +52,9 @@ class Trainer:
         self.mesh = build_device_mesh(self.mesh_spec, runtime.device.type)
         self.expert_mesh = build_expert_mesh(self.mesh_spec, runtime.device.type)
         self.plan = build_plan(config, self.mesh_spec, self.model_cfg)
+        self.ep_dispatch = (choose_dispatch(config.parallel.ep_dispatch, self.mesh_spec.ep, self.model_cfg.top_k,
+                                            dropless=self.model_cfg.capacity_factor is None)
+                            if self.mesh_spec.ep > 1 else None)
         self.global_tokens = d.global_batch * d.seq_len
         # Each rank's summed loss is scaled so that FSDP's average over the dp ranks yields the
         # gradient of the mean loss over the whole global batch.
@@ -93,9 +97,10 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, runtime.is_main, self.peak_flops, runtime.device,
                                      start_step=self.step)
         if runtime.is_main:
-            logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s", config.model.model,
+            logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s%s", config.model.model,
                         spec.count_params(families.layers(self.model_cfg)) / 1e6, self.mesh_spec,
-                        runtime.world_size, runtime.device.type)
+                        runtime.world_size, runtime.device.type,
+                        f" | ep dispatch {self.ep_dispatch}" if self.ep_dispatch else "")
 
     def _build_model(self):
         """This rank's part of the model, laid out on the mesh; the pipeline runner if pp > 1."""
@@ -105,7 +110,7 @@ class Trainer:
             parallelize, plan=self.plan, mesh=self.mesh, device=self.runtime.device, seed=t.seed,
             compute_dtype=COMPUTE_DTYPES[t.precision], recompute_mode=t.recompute,
             compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm, expert_mesh=self.expert_mesh,
-            ep_dispatch=p.ep_dispatch,
+            ep_dispatch=self.ep_dispatch or "alltoall",
             fp8_linear=precision.fp8_linear(t.fp8, self.runtime.device, float8_all_gather=t.fp8_all_gather),
             fp8_layers=self._fp8_layers(), fp8_head=t.fp8_head, fuse_projections=t.fuse_projections,
             reshard_mode=p.fsdp_reshard_after_forward,

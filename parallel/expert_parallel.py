@@ -180,6 +180,19 @@ def _local(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.to_local()
 
 
+EP_DISPATCHES = ("auto", "alltoall", "allgather")
+
+
+def choose_dispatch(choice: str, ep: int, top_k: int, dropless: bool) -> str:
+    """--ep-dispatch: `auto` takes the all-gather where it moves no more bytes than the all-to-all
+    (ep <= top_k) and routing is dropless, which it needs; else the all-to-all."""
+    if choice not in EP_DISPATCHES:
+        raise UserError(f"unknown --ep-dispatch {choice!r}; choose one of {', '.join(EP_DISPATCHES)}")
+    if choice != "auto":
+        return choice
+    return "allgather" if dropless and ep <= top_k else "alltoall"
+
+
 def ep_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

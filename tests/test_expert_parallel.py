@@ -12,7 +12,9 @@ import torch
 import torch.multiprocessing as mp
 
 from models.context import LocalContext
-from parallel.expert_parallel import ExpertParallelContextMixin, _expert_major_positions, experts_over_group
+from models.errors import UserError
+from parallel.expert_parallel import (ExpertParallelContextMixin, _expert_major_positions, choose_dispatch,
+                                      experts_over_group)
 from tests.workers import ep_dispatch
 
 RTOL = 1e-5
@@ -73,3 +75,12 @@ def test_without_expert_parallelism_it_is_the_local_path():
     ids, routing = torch.tensor([[0, 2], [3, 0], [2, 1]]), torch.rand(3, 2, generator=generator)
     assert Context().experts_on_tokens(x[:3], ids, routing, *weights) is None
     assert torch.equal(experts_over_group(x, counts, *weights, group=None), expected)
+
+
+def test_auto_dispatch_takes_the_all_gather_where_it_sends_no_more_bytes():
+    assert choose_dispatch("auto", ep=2, top_k=2, dropless=True) == "allgather"
+    assert choose_dispatch("auto", ep=4, top_k=2, dropless=True) == "alltoall"  # 2x the all-to-all's bytes
+    assert choose_dispatch("auto", ep=2, top_k=2, dropless=False) == "alltoall"  # it cannot drop tokens
+    assert choose_dispatch("alltoall", ep=2, top_k=2, dropless=True) == "alltoall"
+    with pytest.raises(UserError, match="unknown --ep-dispatch 'ring'"):
+        choose_dispatch("ring", ep=2, top_k=2, dropless=True)

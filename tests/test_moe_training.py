@@ -12,15 +12,19 @@ from tests.launch import TINY_ARGS, run_cli, scalars, train_scalars
 
 RTOL = 2e-4
 
+ALLTOALL = ["--ep-dispatch", "alltoall"]
 CASES = [
-    # (options of both runs, mesh of the parallel run, processes)
+    # (options of both runs, mesh of the parallel run, processes). Dropless top-2 routing at ep=2
+    # takes the all-gather dispatch unless the all-to-all is asked for.
     ([], ["--mesh", "dp=2,ep=2"], 2),
+    ([], ["--mesh", "dp=2,ep=2", *ALLTOALL], 2),
     (["--model-overrides", "bias_update_rate=0.001"], ["--mesh", "dp=4,ep=2"], 4),
     # ep borrows from dp_shard x cp; the load-balancing loss is then per sequence chunk.
-    ([], ["--mesh", "cp=2,ep=2"], 2),
+    ([], ["--mesh", "cp=2,ep=2", *ALLTOALL], 2),
     (["--model-overrides", "capacity_factor=1.0"], ["--mesh", "dp=2,pp=2"], 4),
     # TP on the attention; each tp rank routes its own share of the tokens through the experts.
     ([], ["--mesh", "dp=2,ep=2,tp=2", "--sequence-parallel"], 4),
+    ([], ["--mesh", "dp=2,ep=2,tp=2", "--sequence-parallel", *ALLTOALL], 4),
 ]
 
 
@@ -67,7 +71,7 @@ def test_compiled_expert_parallel_matches_one_process(tmp_path):
     (["--model", "tiny", "--mesh", "dp=2,ep=2"], "ep=2 needs a mixture-of-experts model"),
     (["--model-overrides", "top_k=9"], "top_k"),
     (["--mesh", "dp=2,ep=2", "--ep-dispatch", "allgather", "--model-overrides", "capacity_factor=1.0"],
-     "--ep-dispatch allgather needs the same rows on every ep rank"),
+     "--ep-dispatch allgather sends every token to its experts and drops none"),
 ])
 def test_bad_expert_parallel_settings(extra, message, capsys):
     assert main([*TINY_ARGS, "--model", "tiny-moe", *extra, "--print-plan"]) == 2
