@@ -26,8 +26,9 @@ PP = ["--mesh", "pp=2", "--micro-batch", "1"]
 # name -> (processes, tools.bench arguments); "cpu" setups run without GPUs (a smoke test).
 # MoE on 2 GPUs: each mesh (and expert dispatch) with each way of accumulating 4 micro-batches,
 # routed by the router or, as the peers benchmark, with every expert given the same load.
-_MOE_MESHES = {"dp=2": ["--mesh", "dp=2"], "dp=2,ep=2": ["--mesh", "dp=2,ep=2"],
-               "dp=2,ep=2 allgather": ["--mesh", "dp=2,ep=2", "--ep-dispatch", "allgather"]}
+_MOE_MESHES = {"dp=2": ["--mesh", "dp=2"],
+               **{f"dp=2,ep=2 {dispatch}": ["--mesh", "dp=2,ep=2", "--ep-dispatch", dispatch]
+                  for dispatch in ("alltoall", "allgather")}}
 _MOE_OPTIONS = {"": [], " reduce-once": ["--fsdp-reduce-once"],
                 " reduce-once no-reshard": ["--fsdp-reduce-once", "--fsdp-reshard-after-forward", "never"]}
 _MOE_ROUTING = {"": [], " balanced": ["--model-overrides", "force_load_balance=true"]}
