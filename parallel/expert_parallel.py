@@ -1,4 +1,5 @@
-"""Expert parallelism: `ModelContext.experts` over a process group whose ranks each hold a block of experts.
+"""Expert parallelism: `ModelContext.experts` (and `experts_on_tokens`) over a process group whose
+ranks each hold a block of experts.
 
 Each of the `ep` ranks holds experts `rank * E/ep .. (rank + 1) * E/ep - 1` and its own tokens,
 already sorted by expert (models/moe.py). The rows of each expert travel to the rank that holds
@@ -201,13 +202,13 @@ def ep_size(group: dist.ProcessGroup | None) -> int:
 _compiled_grouped_swiglu = torch.compile(grouped_swiglu, dynamic=True)
 
 
-def _on_local_tensors(exchange, x, *tensors, **kwargs) -> torch.Tensor:
-    """`exchange` on this rank's tensors (the weights: its block of experts, plain or DTensors
-    sharded on dim 0 over the ep mesh dim; a DTensor `x`, activations laid out over tp/cp, and
-    what was computed from it: its local rows, this rank's tokens), the output re-wrapped with x's
-    layout."""
+def _on_local_tensors(exchange, x, inputs: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
+    """`exchange(x, *inputs.values())` on this rank's tensors (the weights: its block of experts,
+    plain or DTensors sharded on dim 0 over the ep mesh dim; a DTensor `x`, activations laid out
+    over tp/cp, and what was computed from it: its local rows, this rank's tokens), the output
+    re-wrapped with x's layout."""
     layout = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
-    out = exchange(_local(x, "x"), *(_local(t, f"input {i}") for i, t in enumerate(tensors, 2)), **kwargs)
+    out = exchange(_local(x, "x"), *(_local(t, name) for name, t in inputs.items()), **kwargs)
     return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
 
 
@@ -222,8 +223,8 @@ def experts_over_group(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tens
     swiglu = _compiled_grouped_swiglu if compile_experts else grouped_swiglu
     if ep_size(group) == 1:
         return swiglu(x, counts, w_gate, w_up, w_down)
-    return _on_local_tensors(expert_parallel_swiglu, x, counts, w_gate, w_up, w_down, group=group, swiglu=swiglu,
-                             num_experts=counts.shape[0])
+    inputs = {"counts": counts, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    return _on_local_tensors(expert_parallel_swiglu, x, inputs, group=group, swiglu=swiglu, num_experts=counts.shape[0])
 
 
 _compiled_tokens_allgather = torch.compile(expert_parallel_tokens_allgather)
@@ -240,14 +241,15 @@ def experts_on_tokens_by_allgather(x: torch.Tensor, expert_ids: torch.Tensor, we
     exchange = _compiled_tokens_allgather if compile_experts else expert_parallel_tokens_allgather
     # A DTensor weight has the global expert count as its shape; a plain one is this rank's block.
     num_experts = w_gate.shape[0] if isinstance(w_gate, DTensor) else w_gate.shape[0] * ep_size(group)
-    return _on_local_tensors(exchange, x, expert_ids, weights, w_gate, w_up, w_down, group=group,
-                             num_experts=num_experts)
+    inputs = {"expert_ids": expert_ids, "weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    return _on_local_tensors(exchange, x, inputs, group=group, num_experts=num_experts)
 
 
 class ExpertParallelContextMixin:
-    """Gives a model context the expert-parallel `experts`. Put it before `LocalContext` in the
-    bases and set `ep_group` (None or a group of one rank keeps the single-device path),
-    `ep_dispatch` ("alltoall" or "allgather"), and `compile_experts` when the blocks are compiled."""
+    """Gives a model context the expert-parallel `experts` (the all-to-all) and, with
+    `ep_dispatch` "allgather", `experts_on_tokens`. Put it before `LocalContext` in the bases and
+    set `ep_group` (None or a group of one rank keeps the single-device path), `ep_dispatch`
+    ("alltoall" or "allgather"), and `compile_experts` when the blocks are compiled."""
 
     ep_group: dist.ProcessGroup | None = None
     ep_dispatch: str = "alltoall"

@@ -17,7 +17,6 @@ CASES = [
     # (options of both runs, mesh of the parallel run, processes). Dropless top-2 routing at ep=2
     # takes the all-gather dispatch unless the all-to-all is asked for.
     ([], ["--mesh", "dp=2,ep=2"], 2),
-    ([], ["--mesh", "dp=2,ep=2", *ALLTOALL], 2),
     (["--model-overrides", "bias_update_rate=0.001"], ["--mesh", "dp=4,ep=2"], 4),
     # ep borrows from dp_shard x cp; the load-balancing loss is then per sequence chunk.
     ([], ["--mesh", "cp=2,ep=2", *ALLTOALL], 2),
