@@ -154,12 +154,14 @@ class RouterStats:
         self.load: dict[int, torch.Tensor] = {}    # layer -> [E] slots chosen per expert
         self.totals: dict[int, torch.Tensor] = {}  # layer -> [slots, dropped, aux sum, z sum, records]
 
-    def record(self, layer: int, dispatched: Dispatch, aux_loss: torch.Tensor, z_loss: torch.Tensor) -> None:
+    def record(self, layer: int, load: torch.Tensor, num_dropped: torch.Tensor, aux_loss: torch.Tensor,
+               z_loss: torch.Tensor) -> None:
+        """`load` and `num_dropped` as in `Dispatch`."""
         totals = torch.stack([
-            dispatched.load.sum().float(), dispatched.num_dropped.float(), aux_loss.detach().float(), z_loss.detach().float(),
+            load.sum().float(), num_dropped.float(), aux_loss.detach().float(), z_loss.detach().float(),
             torch.ones((), device=aux_loss.device),
         ])
-        load = dispatched.load.detach().float()
+        load = load.detach().float()
         if layer in self.load:
             self.load[layer] += load
             self.totals[layer] += totals
@@ -206,13 +208,13 @@ class RouterStats:
 
 
 @torch.compiler.disable
-def _record_router_stats(stats: RouterStats, layer: int, dispatched: Dispatch, aux_loss: torch.Tensor,
-                         z_loss: torch.Tensor) -> None:
+def _record_router_stats(stats: RouterStats, layer: int, load: torch.Tensor, num_dropped: torch.Tensor,
+                         aux_loss: torch.Tensor, z_loss: torch.Tensor) -> None:
     """Outside compiled graphs: the accumulators are a dict that grows layer by layer, which a
     compiled graph would guard on and recompile for at every layer."""
     # Activation recompute re-runs the forward inside backward: its routing must not count twice.
     if torch._C._current_graph_task_id() == -1:
-        stats.record(layer, dispatched, aux_loss, z_loss)
+        stats.record(layer, load, num_dropped, aux_loss, z_loss)
 
 
 def moe_forward(p: dict, x: torch.Tensor, cfg: MoEConfig, ctx: ModelContext, *, layer: int = 0,
@@ -243,7 +245,8 @@ def moe_forward(p: dict, x: torch.Tensor, cfg: MoEConfig, ctx: ModelContext, *, 
 
     stats = getattr(aux, "router_stats", None)
     if stats is not None:
-        _record_router_stats(stats, layer, dispatched, aux_loss, z_loss)
+        # The load, not the whole dispatch: compiled, the token path then never sorts the slots.
+        _record_router_stats(stats, layer, dispatched.load, dispatched.num_dropped, aux_loss, z_loss)
     router_loss = cfg.aux_loss_coef * aux_loss + cfg.z_loss_coef * z_loss
     if router_loss.requires_grad and (cfg.aux_loss_coef or cfg.z_loss_coef):
         weight = num_tokens * getattr(aux, "loss_scale", 1.0)
