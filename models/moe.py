@@ -43,7 +43,6 @@ class Dispatch(NamedTuple):
 
     slots: torch.Tensor       # [S] long, kept slots sorted by expert id
     counts: torch.Tensor      # [E] long, kept slots per expert (sums to S)
-    load: torch.Tensor        # [E] long, slots per expert chosen by the router, before any drop
     num_dropped: torch.Tensor  # [] long, slots over capacity
 
 
@@ -93,16 +92,22 @@ def expert_capacity(cfg: MoEConfig, num_tokens: int) -> int | None:
     return math.ceil(cfg.capacity_factor * num_tokens * cfg.top_k / cfg.num_experts)
 
 
-def dispatch(routing: Routing, num_experts: int, capacity: int | None) -> Dispatch:
-    """Sorts token slots by expert; with a capacity, each expert keeps its highest-scoring slots."""
+def expert_load(routing: Routing, num_experts: int) -> torch.Tensor:
+    """[E] long: the slots the router chose for each expert, before any drop."""
     expert_of_slot = routing.expert_ids.flatten()
     # A scatter-add rather than bincount, whose output size depends on the data: torch.compile
     # then keeps the routing in the block's graph.
-    load = torch.zeros(num_experts, dtype=torch.long, device=expert_of_slot.device).scatter_add_(
+    return torch.zeros(num_experts, dtype=torch.long, device=expert_of_slot.device).scatter_add_(
         0, expert_of_slot, torch.ones_like(expert_of_slot))
+
+
+def dispatch(routing: Routing, load: torch.Tensor, capacity: int | None) -> Dispatch:
+    """Sorts token slots by expert (`load`: `expert_load` of the routing); with a capacity, each
+    expert keeps its highest-scoring slots."""
+    expert_of_slot = routing.expert_ids.flatten()
     if capacity is None:
         slots = torch.argsort(expert_of_slot, stable=True)
-        return Dispatch(slots, load, load, torch.zeros((), dtype=torch.long, device=load.device))
+        return Dispatch(slots, load, torch.zeros((), dtype=torch.long, device=load.device))
     # Rank slots by score (unnormalised, so comparable across tokens), then stable-sort by
     # expert: within each expert's group the best come first and the tail is what is dropped.
     score_of_slot = routing.scores.gather(-1, routing.expert_ids).flatten()
@@ -112,7 +117,7 @@ def dispatch(routing: Routing, num_experts: int, capacity: int | None) -> Dispat
     rank_in_group = torch.arange(slots.numel(), device=slots.device) - group_start[expert_of_slot[slots]]
     counts = load.clamp(max=capacity)
     slots = slots[rank_in_group < capacity]
-    return Dispatch(slots, counts, load, load.sum() - counts.sum())
+    return Dispatch(slots, counts, load.sum() - counts.sum())
 
 
 def combine(expert_out_SD: torch.Tensor, routing: Routing, slots: torch.Tensor) -> torch.Tensor:
@@ -156,7 +161,7 @@ class RouterStats:
 
     def record(self, layer: int, load: torch.Tensor, num_dropped: torch.Tensor, aux_loss: torch.Tensor,
                z_loss: torch.Tensor) -> None:
-        """`load` and `num_dropped` as in `Dispatch`."""
+        """`load` as `expert_load` gives it, `num_dropped` as in `Dispatch`."""
         totals = torch.stack([
             load.sum().float(), num_dropped.float(), aux_loss.detach().float(), z_loss.detach().float(),
             torch.ones((), device=aux_loss.device),
@@ -229,24 +234,27 @@ def moe_forward(p: dict, x: torch.Tensor, cfg: MoEConfig, ctx: ModelContext, *, 
     x_TD = x.reshape(-1, x.shape[-1])
     num_tokens = x_TD.shape[0]
     routing = route(x_TD, p["router"], cfg, p.get("router_bias"))
-    dispatched = dispatch(routing, cfg.num_experts, expert_capacity(cfg, num_tokens))
-    aux_loss = load_balancing_loss(routing, ctx.sum_over_token_shards(dispatched.load), cfg.score_func)
+    load = expert_load(routing, cfg.num_experts)
+    aux_loss = load_balancing_loss(routing, ctx.sum_over_token_shards(load), cfg.score_func)
     z_loss = router_z_loss(routing)
 
     expert_weights = p["experts"]["w_gate"], p["experts"]["w_up"], p["experts"]["w_down"]
+    capacity = expert_capacity(cfg, num_tokens)
     out_TD = None
-    if cfg.capacity_factor is None:
+    num_dropped = torch.zeros((), dtype=torch.long, device=load.device)
+    if capacity is None:
         out_TD = ctx.experts_on_tokens(x_TD, routing.expert_ids, routing.weights, *expert_weights)
-    if out_TD is None:
+    if out_TD is None:  # the rows of each expert, sorted by expert
+        dispatched = dispatch(routing, load, capacity)
         expert_out_SD = ctx.experts(x_TD[dispatched.slots // cfg.top_k], dispatched.counts, *expert_weights)
         out_TD = combine(expert_out_SD, routing, dispatched.slots)
+        num_dropped = dispatched.num_dropped
     if "shared" in p:
         out_TD = out_TD + swiglu_block(p["shared"], x_TD, ctx)
 
     stats = getattr(aux, "router_stats", None)
     if stats is not None:
-        # The load, not the whole dispatch: compiled, the token path then never sorts the slots.
-        _record_router_stats(stats, layer, dispatched.load, dispatched.num_dropped, aux_loss, z_loss)
+        _record_router_stats(stats, layer, load, num_dropped, aux_loss, z_loss)
     router_loss = cfg.aux_loss_coef * aux_loss + cfg.z_loss_coef * z_loss
     if router_loss.requires_grad and (cfg.aux_loss_coef or cfg.z_loss_coef):
         weight = num_tokens * getattr(aux, "loss_scale", 1.0)

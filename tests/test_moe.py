@@ -77,7 +77,6 @@ def test_selection_bias_changes_the_choice_not_the_weights():
         torch.testing.assert_close(biased.weights[t], torch.tensor(weights), rtol=1e-5, atol=1e-6)
 
 
-
 def test_forced_load_balance_gives_every_expert_the_same_load_and_keeps_the_router_trained():
     cfg = attrs.evolve(CFG, force_load_balance=True)
     torch.manual_seed(2)
@@ -91,6 +90,7 @@ def test_forced_load_balance_gives_every_expert_the_same_load_and_keeps_the_rout
         torch.testing.assert_close(routing.weights[t], torch.tensor(chosen) / sum(chosen), rtol=1e-5, atol=1e-6)
     routing.weights[:, 0].sum().backward()
     assert router.grad is not None and router.grad.abs().sum() > 0
+
 
 def _reference_moe(p: dict, x_TD: torch.Tensor, cfg: MoEConfig, kept=None) -> torch.Tensor:
     """A dense loop: each token through each of its kept top-k experts, weighted, plus shared."""
@@ -176,7 +176,7 @@ def test_capacity_drops_the_lowest_scores_and_they_add_nothing():
     x_TD = torch.randn(24, cfg.dim)
     capacity = math.ceil(0.5 * 24 * cfg.top_k / cfg.num_experts)
     routing = moe.route(x_TD, p["router"], cfg)
-    dispatched = moe.dispatch(routing, cfg.num_experts, moe.expert_capacity(cfg, 24))
+    dispatched = moe.dispatch(routing, moe.expert_load(routing, cfg.num_experts), moe.expert_capacity(cfg, 24))
 
     hand = _hand_route(x_TD, p["router"], cfg)
     kept, num_dropped = set(), 0
