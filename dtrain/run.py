@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stdout)
     logging.getLogger("dtrain").setLevel(level)
     from dtrain.config import load_config
-    from dtrain.train import print_plan, train
+    from dtrain.plan.describe import print_plan
+    from dtrain.train import train
 
     try:
         config = load_config(argv)

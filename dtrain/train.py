@@ -1,150 +1,19 @@
-"""The training run: validate every input, lay the model out on the mesh, and step."""
+"""A training run from start to end: the process group, the run's log file, the trainer, and the
+shutdown that follows an error."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import attrs
-import torch
-
-from dtrain import data as data_lib
 from dtrain import distributed
 from dtrain.config import Config
 from dtrain.metrics import log_file
-from models import families
-from models.config import LlamaConfig, MoEConfig, get_model_config
-from models.errors import UserError
-from parallel import pipeline, precision
-from parallel.mesh import MeshSpec
-from parallel.plan import Plan
-
-
-def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
-    """Every check that needs no memory, so a bad input fails before any work is done."""
-    model_cfg = get_model_config(config.model.model, config.model.model_overrides)
-    mesh_spec = MeshSpec.parse(config.parallel.mesh, world_size)
-    _check_sizes(config)
-    _check_model_split(config, model_cfg, mesh_spec)
-    _check_sequence_split(config, model_cfg, mesh_spec)
-    _check_options(config, model_cfg, mesh_spec)
-    data_lib.validate_data_args(config.data.data, config.data.tokenizer, config.data.split)
-    return mesh_spec, model_cfg
-
-
-def _check_sizes(config: Config) -> None:
-    d, t = config.data, config.train
-    for name, value in (("--seq-len", d.seq_len), ("--micro-batch", d.micro_batch),
-                        ("--global-batch", d.global_batch), ("--steps", t.steps)):
-        if value < 1:
-            raise UserError(f"{name} {value} must be >= 1")
-    for name, value in (("--checkpoint-every", t.checkpoint_every), ("--keep-last", t.keep_last),
-                        ("--eval-every", t.eval_every)):
-        if value < 0:
-            raise UserError(f"{name} {value} must be >= 0")
-    if config.optim.warmup_steps < 0 or config.optim.lr <= 0:
-        raise UserError("--lr must be > 0 and --warmup-steps >= 0")
-
-
-def _check_model_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
-    """Heads over tp, experts over ep, layers over pipeline stages, rows over data-parallel ranks."""
-    name, d = config.model.model, config.data
-    tp, heads, kv_heads = mesh_spec.tp, model_cfg.num_heads, model_cfg.num_kv_heads
-    if heads % tp:
-        raise UserError(f"model {name} has num_heads={heads}, not divisible by tp={tp}; choose a tp that divides {heads}")
-    if kv_heads % tp and tp % kv_heads:
-        raise UserError(f"model {name} has num_kv_heads={kv_heads} and tp={tp}: one must divide the other (KV heads "
-                        f"are split, or replicated over groups of tp ranks); change tp")
-    is_moe = isinstance(model_cfg, MoEConfig)
-    if mesh_spec.ep > 1 and not is_moe:
-        raise UserError(f"ep={mesh_spec.ep} needs a mixture-of-experts model; {name} is dense")
-    if mesh_spec.ep > 1 and model_cfg.num_experts % mesh_spec.ep:
-        raise UserError(f"model {name} has {model_cfg.num_experts} experts, not divisible by ep={mesh_spec.ep}; "
-                        f"choose an ep that divides {model_cfg.num_experts}")
-    if mesh_spec.ep > 1 and config.parallel.ep_dispatch == "allgather" and model_cfg.capacity_factor is not None:
-        raise UserError(f"--ep-dispatch allgather sends every token to its experts and drops none; remove "
-                        f"capacity_factor={model_cfg.capacity_factor} or use --ep-dispatch alltoall")
-    if is_moe and tp > 1 and d.seq_len % tp:
-        raise UserError(f"--seq-len {d.seq_len} is not divisible by tp={tp}: MoE layers split the tokens over tp; "
-                        f"use a multiple of {tp}")
-    per_step = d.micro_batch * mesh_spec.dp_size
-    if d.global_batch % per_step:
-        raise UserError(f"--global-batch {d.global_batch} is not divisible by --micro-batch {d.micro_batch} x "
-                        f"data-parallel size {mesh_spec.dp_size} = {per_step}; make it a multiple of {per_step}")
-    if mesh_spec.pp > 1:
-        if model_cfg.tie_embeddings:
-            raise UserError(f"model {name} ties its embedding and head, which pp={mesh_spec.pp} puts on different "
-                            f"ranks; use --model-overrides tie_embeddings=false or pp=1")
-        p = config.parallel
-        pipeline.validate_schedule(p.pp_schedule, mesh_spec.pp, p.pp_virtual_stages,
-                                   d.global_batch // per_step, model_cfg.num_layers, p.pp_layout,
-                                   on_gpus=torch.cuda.is_available())
-
-
-def _check_sequence_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
-    """Context parallelism's chunks, and the per-document options it (and pipelining) lacks."""
-    d, cp, tp = config.data, mesh_spec.cp, mesh_spec.tp
-    if (mesh_spec.pp > 1 or cp > 1) and (d.reset_position_ids or d.document_mask):
-        raise UserError("--reset-position-ids and --document-mask are not available with pp > 1 or cp > 1 "
-                        "yet; use pp=1 and cp=1")
-    if cp == 1:
-        return
-    if d.seq_len % (2 * cp):
-        raise UserError(f"--seq-len {d.seq_len} is not divisible by 2 x cp = {2 * cp} (load-balanced context "
-                        f"parallelism cuts each sequence into 2 x cp chunks); use a multiple of {2 * cp}")
-    local_heads, local_kv = model_cfg.num_heads // tp, max(model_cfg.num_kv_heads // tp, 1)
-    if config.parallel.cp_comm == "a2a" and (local_heads % cp or local_kv % cp):
-        raise UserError(f"--cp-comm a2a splits heads over cp={cp}, but each tp rank has {local_heads} query "
-                        f"and {local_kv} KV heads; use --cp-comm allgather or ring, or a cp dividing both")
-
-
-def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
-    """Async TP, FP8, and the checkpoint paths."""
-    t, p, tp = config.train, config.parallel, mesh_spec.tp
-    if p.async_tp and not (t.compile and p.sequence_parallel and tp > 1 and torch.cuda.is_available()):
-        raise UserError("--async-tp needs --compile, --sequence-parallel, a mesh with tp > 1 and CUDA GPUs")
-    if t.fp8_head and t.fp8 is None:
-        raise UserError("--fp8-head runs the output projection in FP8; give --fp8 RECIPE with it")
-    if t.fp8 is not None:
-        if t.precision != "bf16":
-            raise UserError(f"--fp8 runs the other ops in bf16; use --precision bf16, not {t.precision}")
-        hd = model_cfg.head_dim
-        ffn = model_cfg.expert_ffn_dim if isinstance(model_cfg, MoEConfig) else model_cfg.ffn_dim
-        split_dims = [model_cfg.num_heads * hd, model_cfg.num_kv_heads * hd, ffn]
-        if t.fp8_head:
-            split_dims.append(model_cfg.vocab_size)
-        precision.validate_fp8(t.fp8, t.fp8_backend, [model_cfg.dim] + [dim // tp for dim in split_dims])
-    for name, path in (("--resume", t.resume if t.resume != "latest" else None), ("--init-from-hf", t.init_from_hf)):
-        if path is not None and not Path(path).exists():
-            raise UserError(f"{name} {path}: no such checkpoint directory")
-
-
-def with_global_batch(config: Config, world_size: int) -> Config:
-    """`--global-batch` unset means one micro-batch per data-parallel rank."""
-    if config.data.global_batch is not None:
-        return config
-    dp_size = MeshSpec.parse(config.parallel.mesh, world_size).dp_size
-    return attrs.evolve(config, data=attrs.evolve(config.data, global_batch=config.data.micro_batch * dp_size))
-
-
-def print_plan(config: Config) -> None:
-    """The plan for the mesh as given; without torchrun the world is what the mesh names."""
-    world_size = distributed.world_size_from_env() if distributed.launched_by_torchrun() else None
-    mesh_spec = MeshSpec.parse(config.parallel.mesh, world_size)
-    config = with_global_batch(config, mesh_spec.world_size)
-    _, model_cfg = validate(config, mesh_spec.world_size)
-    plan = build_plan(config, mesh_spec, model_cfg)
-    print(plan.describe(families.layers(model_cfg)))
-
-
-def build_plan(config: Config, mesh_spec: MeshSpec, model_cfg: LlamaConfig) -> Plan:
-    return Plan.build(mesh_spec, sequence_parallel=config.parallel.sequence_parallel,
-                      num_kv_heads=model_cfg.num_kv_heads)
+from dtrain.plan.validate import validate, with_global_batch
+from dtrain.trainer import Trainer
 
 
 def train(config: Config, before_step=None) -> list[dict[str, float]]:
     """Runs the configured training; returns every step's scalars (the loss on every rank)."""
-    from dtrain.trainer import Trainer
-
     config = with_global_batch(config, distributed.world_size_from_env())
     validate(config, distributed.world_size_from_env())
     runtime = distributed.init_process_group()

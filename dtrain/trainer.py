@@ -12,13 +12,13 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from dtrain import data as data_lib
-from dtrain.checkpointer import Checkpointer
+from dtrain.checkpoint.checkpointer import Checkpointer
 from dtrain.config import Config, to_toml
+from dtrain.data import TokenDataset
 from dtrain.distributed import Runtime
 from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
-from dtrain.train import build_plan, validate
+from dtrain.plan.validate import build_plan, validate
 from models import families, flops, llama, moe, spec
 from models.errors import UserError
 from parallel import context_parallel, pipeline, precision
@@ -46,8 +46,8 @@ class Trainer:
         if runtime.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(config))
-        self.dataset = data_lib.TokenDataset.from_args(d, self.model_cfg.vocab_size, t.seed)
-        self.val_dataset = (data_lib.TokenDataset.from_args(d, self.model_cfg.vocab_size, t.seed, part="validation")
+        self.dataset = TokenDataset.from_args(d, self.model_cfg.vocab_size, t.seed)
+        self.val_dataset = (TokenDataset.from_args(d, self.model_cfg.vocab_size, t.seed, part="validation")
                             if t.eval_every > 0 else None)
         self.mesh = build_device_mesh(self.mesh_spec, runtime.device.type)
         self.expert_mesh = build_expert_mesh(self.mesh_spec, runtime.device.type)
@@ -69,7 +69,9 @@ class Trainer:
         self.refresh_float8_scales = bool(precision.float8_gathered_params(self.model_parts))
         self.optimizer = build_optimizer(self.model_parts, config.optim)
         self.scheduler = build_scheduler(self.optimizer, t.steps, config.optim)
-        self.checkpointer = Checkpointer(self)
+        self.checkpointer = Checkpointer(config, runtime, model_cfg=self.model_cfg, mesh_spec=self.mesh_spec,
+                                         model_parts=self.model_parts, optimizer=self.optimizer,
+                                         scheduler=self.scheduler)
         # --resume's checkpoint (any mesh), else --init-from-hf's weights; the step to start at.
         self.step = self.checkpointer.restore()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain import checkpoint as ckpt
+from dtrain.checkpoint import storage as ckpt
 from dtrain.run import main
 from models.config import get_model_config
 from tests.launch import REPO, TINY_ARGS, run_cli, train_scalars
@@ -161,7 +161,7 @@ def test_sigkill_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
 
 
 def _tiny_param_shapes() -> dict[str, tuple[int, ...]]:
-    from dtrain.hf import param_shapes
+    from dtrain.interop.hf import param_shapes
 
     return param_shapes(get_model_config("tiny"))
 

@@ -183,7 +183,7 @@ def test_after_optimizer_step_is_a_no_op_without_float8_gathered_weights(two_fak
 def _two_rank_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """Scales from the one all-reduce match each weight's global amax on every rank; a checkpoint
     of float8-gathered weights loads into bf16-gathered ones and back (DCP sees plain values)."""
-    from dtrain import checkpoint as ckpt
+    from dtrain.checkpoint import storage as ckpt
     from dtrain.config import OptimArgs
     from dtrain.optim import build_optimizer
 

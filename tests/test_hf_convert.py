@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain import hf
+from dtrain.interop import hf
 from models import families, llama, mixtral, spec
 from models.config import PRESETS
 from models.context import LocalContext
@@ -113,9 +113,9 @@ def _tiny_hf(path: Path) -> "transformers.LlamaForCausalLM":
 def _first_step_loss(model) -> float:
     """transformers' mean loss on step 0's global batch of the CLI's tiny run (bundled data,
     seq 64, global batch 8): what dtrain logs at step 1, before the first update."""
-    from dtrain import data as data_lib
+    from dtrain.data import TokenDataset
 
-    dataset = data_lib.TokenDataset("bundled", None, 64, 2048, 0)
+    dataset = TokenDataset("bundled", None, 64, 2048, 0)
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():
         for inputs, labels in dataset.micro_batches(0, 8, 2, 0, 1):
@@ -219,6 +219,7 @@ def test_imported_mixtral_gives_transformers_logits_and_loss(tmp_path, fused, ti
     names = _safetensors(tmp_path).keys()
     assert any("gate_up_proj" in n for n in names) == fused and any(".experts.3.w2." in n for n in names) != fused
     cfg, params = hf_convert.load_hf_params(tmp_path)
+    # 2 layers, top-2: transformers' pooled coefficient times k / L is the same per-layer one.
     assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn_dim, cfg.aux_loss_coef) == (4, 2, 96, 0.02)
     assert cfg.score_func == "softmax" and cfg.route_norm and cfg.num_shared_experts == 0 and cfg.capacity_factor is None
     assert cfg.tie_embeddings == tie and (cfg.rope_scaling is not None) == (rope is not None)
@@ -250,6 +251,46 @@ def test_mixtral_round_trip_is_bit_exact_and_exports_the_hub_layout(tmp_path):
     tokens = torch.randint(0, 128, (1, 24))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=tokens).logits, original(input_ids=tokens).logits, rtol=0, atol=0)
+
+
+def test_mixtral_aux_loss_coefficient_gives_each_router_transformers_balancing_gradient(tmp_path):
+    """transformers pools the router statistics of all layers into one loss; dtrain adds one per layer.
+    Where every layer's load is the pooled load (here: every layer routes the same logits), the
+    converted coefficient gives each layer's router logits transformers' gradient exactly, and the
+    unconverted one L / k times it. Import and export convert, and a round trip keeps the value."""
+    from dtrain.interop.mixtral import aux_loss_coef_from_hf
+    from models import moe
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    num_layers, tokens, num_experts, top_k, hf_coef = 8, 64, 8, 2, 0.02
+    logits = torch.randn(tokens, num_experts, generator=torch.Generator().manual_seed(0))
+    hf_logits = [logits.clone().requires_grad_() for _ in range(num_layers)]
+    hf_grads = torch.autograd.grad(hf_coef * load_balancing_loss_func(tuple(hf_logits), num_experts, top_k),
+                                   hf_logits)
+
+    def dtrain_grads(coef: float) -> list[torch.Tensor]:
+        layer_logits = [logits.clone().requires_grad_() for _ in range(num_layers)]
+        total = 0.0
+        for layer in layer_logits:
+            scores = layer.softmax(-1)
+            ids = scores.topk(top_k, dim=-1).indices
+            routing = moe.Routing(ids, scores.gather(-1, ids), scores, layer)
+            total = total + moe.load_balancing_loss(routing, moe.expert_load(routing, num_experts), "softmax")
+        return torch.autograd.grad(coef * total, layer_logits)
+
+    converted = aux_loss_coef_from_hf(hf_coef, top_k, num_layers)
+    assert converted == hf_coef * top_k / num_layers
+    for ours, theirs in zip(dtrain_grads(converted), hf_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-9)
+    unconverted = dtrain_grads(hf_coef)
+    torch.testing.assert_close(unconverted[0], hf_grads[0] * num_layers / top_k, rtol=1e-6, atol=1e-9)
+
+    make_hf_mixtral(tmp_path / "hf", num_hidden_layers=4, router_aux_loss_coef=0.001)
+    cfg, _ = hf_convert.load_hf_params(tmp_path / "hf")
+    assert cfg.aux_loss_coef == 0.0005
+    hf_convert.import_hf(tmp_path / "hf", tmp_path / "run" / "step_000000")
+    out = hf_convert.export_hf(tmp_path / "run", tmp_path / "exported")
+    assert json.loads((out / "config.json").read_text())["router_aux_loss_coef"] == 0.001
 
 
 def test_broken_mixtral_directories_and_unexportable_models_are_one_line_errors(tmp_path, capsys):

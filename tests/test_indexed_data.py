@@ -10,11 +10,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dtrain import packed
-from dtrain.blend import parse_blend, parse_split, split_ranges
+from dtrain.data import packed
+from dtrain.data.blend import parse_blend, parse_split, split_ranges
 from dtrain.config import DataArgs
 from dtrain.data import BUNDLED, BUNDLED_TOKENIZER, SYNTHETIC, TokenDataset, validate_data_args
-from dtrain.indexed import IndexedDataset
+from dtrain.data.indexed import IndexedDataset
 from models.errors import UserError
 from tools.preprocess_data import preprocess
 

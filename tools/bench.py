@@ -133,7 +133,8 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
     import torch
 
     from dtrain.config import load_config
-    from dtrain.train import train, with_global_batch
+    from dtrain.plan.validate import with_global_batch
+    from dtrain.train import train
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     argv = [*SHAPES[shape], "--data", "synthetic", "--steps", str(steps), "--warmup-steps", "2", "--lr", "3e-4",

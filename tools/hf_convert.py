@@ -25,8 +25,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from dtrain import checkpoint as ckpt
-from dtrain import hf
+from dtrain.checkpoint import storage as ckpt
+from dtrain.interop import hf
 from models.config import LlamaConfig, MoEConfig, RopeScaling
 from models.errors import UserError
 

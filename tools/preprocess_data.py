@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 if not __package__:  # run as `python tools/preprocess_data.py` from a checkout that is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dtrain.indexed import IndexedDatasetWriter, token_dtype
+from dtrain.data.indexed import IndexedDatasetWriter, token_dtype
 from models.errors import UserError
 
 # Tried in order when --eod-token is not given: GPT-2/NeoX, Llama 3, Llama 2/T5, Gemma.

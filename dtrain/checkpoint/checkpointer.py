@@ -1,6 +1,6 @@
 """When a run saves and what it starts from: periodic, final and preemption checkpoints, resume on
 any mesh, and initial weights from a Hugging Face checkpoint. The format and the commit protocol
-live in `dtrain.checkpoint`."""
+live in `dtrain.checkpoint.storage`."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from dtrain import checkpoint as ckpt
-from dtrain.config import to_toml
+from dtrain.checkpoint import storage as ckpt
+from dtrain.config import Config, to_toml
+from dtrain.distributed import Runtime
+from models.config import LlamaConfig
 from models.errors import UserError
+from parallel.mesh import MeshSpec
 from parallel.parallelize import copy_full_
-
-if TYPE_CHECKING:
-    from dtrain.trainer import Trainer
 
 logger = logging.getLogger("dtrain")
 
@@ -29,17 +29,20 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Checkpointer:
-    """Owns the checkpoints of one run. The trainer calls `restore()` once its model, optimizer and
-    scheduler exist, `start()` before the first step, `after_step()` at every step boundary,
-    `finish()` after the last step and `close()` always."""
+    """Owns the checkpoints of one run: the model (this rank's parts), its optimizer and LR
+    scheduler. The trainer calls `restore()` once they exist, `start()` before the first step,
+    `after_step()` at every step boundary, `finish()` after the last step and `close()` always."""
 
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
-        t = trainer.config.train
+    def __init__(self, config: Config, runtime: Runtime, *, model_cfg: LlamaConfig, mesh_spec: MeshSpec,
+                 model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, scheduler):
+        self.config, self.model_cfg, self.mesh_spec = config, model_cfg, mesh_spec
+        self.optimizer, self.scheduler = optimizer, scheduler
+        t = config.train
+        self.run_dir = Path(t.run_dir)
         self.every, self.keep_last = t.checkpoint_every, t.keep_last
-        self.rank = trainer.runtime.rank
-        self.is_main = trainer.runtime.is_main
-        self.root = Path(t.run_dir) / ckpt.CHECKPOINTS
+        self.rank, self.world_size = runtime.rank, runtime.world_size
+        self.is_main = runtime.is_main
+        self.root = self.run_dir / ckpt.CHECKPOINTS
         if self.every < 0 or self.keep_last < 0:
             raise UserError(f"--checkpoint-every {self.every} and --keep-last {self.keep_last} must be >= 0 "
                             f"(0 turns checkpoints off / keeps them all)")
@@ -51,13 +54,13 @@ class Checkpointer:
         # they never interleave with the training collectives of the main thread.
         self.async_group = dist.new_group(backend="gloo") if t.async_checkpoint and dist.is_initialized() else None
         # With pipelining a rank holds several stages; a checkpoint sees them as one model.
-        self.model = ckpt.as_one_module(getattr(trainer, "model_parts", None) or [trainer.model])
+        self.model = ckpt.as_one_module(model_parts)
 
     # ---- start of a run -------------------------------------------------------------------
 
     def restore(self) -> int:
         """Loads `--resume`'s checkpoint (else `--init-from-hf`'s weights); returns the step to start at."""
-        t = self.trainer.config.train
+        t = self.config.train
         if self.is_main and (t.resume or self.every):
             removed = ckpt.remove_incomplete(self.root)
             if removed:
@@ -65,7 +68,7 @@ class Checkpointer:
         path = None
         if t.resume:
             # Rank 0 decides, so every rank loads the same checkpoint even while files change.
-            found = ckpt.resolve_resume(t.resume, self.trainer.run_dir) if self.is_main else None
+            found = ckpt.resolve_resume(t.resume, self.run_dir) if self.is_main else None
             path = ckpt.broadcast_from_main(str(found) if found else None)
             if path is None:
                 logger.info("--resume: no checkpoint in %s yet; starting from step 0", self.root)
@@ -76,16 +79,15 @@ class Checkpointer:
         return 0
 
     def _load(self, path: Path) -> int:
-        tr = self.trainer
         start = time.perf_counter()
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-        meta, has_optim = ckpt.check_checkpoint(path, tr.model_cfg, shapes)
-        ckpt.load_train_state(self.model, tr.optimizer, path, rank=self.rank, has_optim=has_optim)
+        meta, has_optim = ckpt.check_checkpoint(path, self.model_cfg, shapes)
+        ckpt.load_train_state(self.model, self.optimizer, path, rank=self.rank, has_optim=has_optim)
         if meta.get("scheduler"):
-            tr.scheduler.load_state_dict(meta["scheduler"])
+            self.scheduler.load_state_dict(meta["scheduler"])
         step = int(meta["step"])
         self.last_saved = step
-        saved_mesh, mesh = meta.get("mesh"), str(tr.mesh_spec)
+        saved_mesh, mesh = meta.get("mesh"), str(self.mesh_spec)
         resharded = f" (resharded from {saved_mesh} to {mesh})" if saved_mesh and saved_mesh != mesh else ""
         logger.info("resumed from %s at step %d%s in %s", path, step, resharded, ckpt.elapsed(start))
         return step
@@ -93,12 +95,11 @@ class Checkpointer:
     @torch.no_grad()
     def _load_hf(self, hf_path: str) -> None:
         """Every rank reads each full tensor and keeps its own shard (as initialisation does)."""
-        from dtrain import hf
+        from dtrain.interop import hf
 
-        tr = self.trainer
         start = time.perf_counter()
         source = hf.HFCheckpoint(hf_path)
-        hf.check_matches(source.config, tr.model_cfg, tr.config.model.model, hf_path)
+        hf.check_matches(source.config, self.model_cfg, self.config.model.model, hf_path)
         for name, param in self.model.named_parameters():
             if name.endswith(".moe.router_bias") and name not in source.shapes:
                 continue  # none in HF: stays 0
@@ -128,7 +129,7 @@ class Checkpointer:
         """Commits a finished background save, saves when due (calling `before_save()` first: the
         trainer checks the step's loss there, so a diverged state is never saved); True when the
         run must stop."""
-        total = self.trainer.config.train.steps
+        total = self.config.train.steps
         stop, busy = ckpt.all_ranks_max([int(self.stop_signal is not None),
                                          int(self.pending is not None and not self.pending.future.done())])
         if self.pending is not None and not busy:
@@ -160,7 +161,6 @@ class Checkpointer:
 
     def save(self, step: int, wait: bool = False) -> Path:
         self._wait_pending()
-        tr = self.trainer
         name = ckpt.checkpoint_name(step)
         tmp, final = self.root / f"{name}.tmp", self.root / name
         if self.is_main:
@@ -169,13 +169,13 @@ class Checkpointer:
         ckpt.barrier()  # no rank writes into tmp before rank 0 has emptied it
         meta = {
             "format": ckpt.FORMAT_VERSION, "step": step, "data_position": step,
-            "model": ckpt.model_shape(tr.model_cfg), "mesh": str(tr.mesh_spec),
-            "world_size": tr.runtime.world_size, "scheduler": tr.scheduler.state_dict(),
-            "config": to_toml(tr.config),
+            "model": ckpt.model_shape(self.model_cfg), "mesh": str(self.mesh_spec),
+            "world_size": self.world_size, "scheduler": self.scheduler.state_dict(),
+            "config": to_toml(self.config),
         }
         started = time.perf_counter()
         use_async = self.async_group is not None and not wait
-        future = ckpt.save_train_state(self.model, tr.optimizer, tmp, rank=self.rank,
+        future = ckpt.save_train_state(self.model, self.optimizer, tmp, rank=self.rank,
                                        async_group=self.async_group if use_async else None)
         self.pending = ckpt.PendingSave(future, step, tmp, final, meta, started)
         self.last_saved = step

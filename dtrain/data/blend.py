@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from dtrain.indexed import IndexedDataset
-from dtrain.packed import PARTS, PackedSamples, default_cache_dir, token_range
+from dtrain.data.indexed import IndexedDataset
+from dtrain.data.packed import PARTS, PackedSamples, default_cache_dir, token_range
 from models.errors import UserError
 
 DEFAULT_SPLIT = "969,30,1"

@@ -1,5 +1,5 @@
 """Training data: the bundled corpus, a local text file, synthetic tokens, or indexed data in
-Megatron's format (`--data PREFIX` or a blend `--data "0.7 PREFIX_A 0.3 PREFIX_B"`, see blend.py).
+Megatron's format (`--data PREFIX` or a blend `--data "0.7 PREFIX_A 0.3 PREFIX_B"`, see dtrain/data/blend.py).
 
 A batch is a pure function of (seed, step), so a run is reproducible and sees the same
 global batches whatever its data-parallel layout.
@@ -16,15 +16,15 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from dtrain.blend import DEFAULT_SPLIT, IndexedBlend, parse_blend, parse_split
-from dtrain.indexed import check_files, is_indexed_prefix
-from dtrain.packed import PARTS
+from dtrain.data.blend import DEFAULT_SPLIT, IndexedBlend, parse_blend, parse_split
+from dtrain.data.indexed import check_files, is_indexed_prefix
+from dtrain.data.packed import PARTS
 from models.errors import UserError
 
 BUNDLED = "bundled"      # the default --data value: dtrain/assets/corpus.txt + tokenizer.json
 SYNTHETIC = "synthetic"  # random tokens, for benchmarks
 
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_CORPUS = ASSETS_DIR / "corpus.txt"
 BUNDLED_TOKENIZER = ASSETS_DIR / "tokenizer.json"
 END_OF_TEXT = "<|endoftext|>"

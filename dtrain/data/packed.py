@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtrain.indexed import IndexedDataset
+from dtrain.data.indexed import IndexedDataset
 
 logger = logging.getLogger("dtrain")
 

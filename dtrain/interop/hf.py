@@ -1,211 +1,60 @@
-"""Hugging Face checkpoints (Llama here, Mixtral in `dtrain.hf_mixtral`): config and tensor-name
-mapping, reading (one safetensors file or shards with `model.safetensors.index.json`) and writing.
-dtrain's RoPE uses HF's rotate-half layout, so q/k projections are copied unpermuted and a round
-trip is bit-exact."""
+"""Hugging Face checkpoints <-> dtrain: reading (one safetensors file, or shards with
+`model.safetensors.index.json`) one parameter at a time, writing in the hub's layout, and the
+config conversion of each family. The families (Llama, Mixtral, ...) are the modules of this
+package that define `FAMILY`; this module finds them."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
+import pkgutil
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import attrs
 import torch
 
+from dtrain.interop.family import HFFamily, Piece
 from models import families, spec
-from models.config import LlamaConfig, MoEConfig, RopeScaling
+from models.config import LlamaConfig, MoEConfig
 from models.errors import UserError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# (HF name pattern, dtrain name template); `{i}` is the layer index. What every family shares:
-SHARED_NAMES = [
-    ("model.embed_tokens.weight", "embed.weight"),
-    ("model.layers.{i}.self_attn.q_proj.weight", "blocks.{i}.attn.wq"),
-    ("model.layers.{i}.self_attn.k_proj.weight", "blocks.{i}.attn.wk"),
-    ("model.layers.{i}.self_attn.v_proj.weight", "blocks.{i}.attn.wv"),
-    ("model.layers.{i}.self_attn.o_proj.weight", "blocks.{i}.attn.wo"),
-    ("model.layers.{i}.input_layernorm.weight", "blocks.{i}.attn_norm"),
-    ("model.layers.{i}.post_attention_layernorm.weight", "blocks.{i}.mlp_norm"),
-    ("model.norm.weight", "head.norm"),
-    ("lm_head.weight", "head.output"),
-]
-# Llama's dense feed-forward.
-_NAMES = SHARED_NAMES + [
-    ("model.layers.{i}.mlp.gate_proj.weight", "blocks.{i}.mlp.w_gate"),
-    ("model.layers.{i}.mlp.up_proj.weight", "blocks.{i}.mlp.w_up"),
-    ("model.layers.{i}.mlp.down_proj.weight", "blocks.{i}.mlp.w_down"),
-]
 # Buffers some older exports carry; they are recomputed from the config, never trained.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-def pattern(template: str) -> re.Pattern:
-    """A template with `{i}` (layer) and `{j}` (expert) placeholders as a regular expression."""
-    escaped = re.escape(template)
-    for key in ("i", "j"):
-        escaped = escaped.replace(re.escape("{" + key + "}"), rf"(?P<{key}>\d+)")
-    return re.compile("^" + escaped + "$")
+@functools.cache
+def hf_families() -> dict[str, HFFamily]:
+    """Every family of this package by HF model_type: each module here that defines `FAMILY`."""
+    package = importlib.import_module(__package__)
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        family = getattr(importlib.import_module(f"{__package__}.{info.name}"), "FAMILY", None)
+        if family is not None:
+            found[family.model_type] = family
+    return found
 
 
-def name_tables(names: list[tuple[str, str]]) -> tuple[list, list]:
-    """(HF -> dtrain, dtrain -> HF) lookup tables of a list of (HF, dtrain) templates."""
-    return [(pattern(h), d) for h, d in names], [(pattern(d), h) for h, d in names]
+def family_of_config(cfg: LlamaConfig | MoEConfig) -> HFFamily:
+    """The family whose config class `cfg` is (exactly: an MoE config is not a Llama one here)."""
+    return next(f for f in hf_families().values() if type(cfg) is f.config_cls)
 
 
-_HF_TO_DTRAIN, _DTRAIN_TO_HF = name_tables(_NAMES)
-
-
-def map_name(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
-    for regex, template in table:
-        if m := regex.match(name):
-            for key, value in m.groupdict().items():
-                template = template.replace("{" + key + "}", value)
-            return template
-    return None
-
-
-def to_dtrain_name(hf_name: str) -> str | None:
-    return map_name(hf_name, _HF_TO_DTRAIN)
-
-
-def to_hf_name(dtrain_name: str) -> str:
-    name = map_name(dtrain_name, _DTRAIN_TO_HF)
-    assert name is not None, dtrain_name
-    return name
-
-
-@attrs.frozen
-class Piece:
-    """Where (part of) a dtrain parameter lies in an HF checkpoint: a whole tensor; expert
-    `expert`'s [out, in] matrix of a stacked [E, out, in] parameter; or the first (`half`=0) or
-    second half of dim 1 of a fused [E, 2F, D] tensor."""
-
-    hf_name: str
-    expert: int | None = None
-    half: int | None = None
-
-    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The HF tensor's shape, for a dtrain parameter of `shape`."""
-        if self.expert is not None:
-            return tuple(shape[1:])
-        if self.half is not None:
-            return (shape[0], 2 * shape[1], *shape[2:])
-        return tuple(shape)
-
-
-class Llama:
-    """What one HF model_type means to dtrain. `dtrain.hf_mixtral.Mixtral` follows the same interface."""
-
-    model_type, architecture, title, config_cls = "llama", "LlamaForCausalLM", "Llama", LlamaConfig
-    # Fields that change neither the parameters nor the forward math, which a run may choose freely.
-    free_fields = frozenset({"init_std"})
-    export_layout = "hub"
-
-    def config_from_hf(self, hf: dict[str, Any], source: str) -> LlamaConfig:
-        common = common_config_from_hf(hf, source, self.title, default_theta=10000.0, default_eps=1e-6)
-        return LlamaConfig(ffn_dim=hf["intermediate_size"], **common)
-
-    def config_to_hf(self, cfg: LlamaConfig, dtype: torch.dtype, base: dict[str, Any] | None) -> dict[str, Any]:
-        return common_config_to_hf(cfg, dtype, base, 8192, architectures=[self.architecture],
-                                   model_type=self.model_type, intermediate_size=cfg.ffn_dim,
-                                   attention_bias=False, mlp_bias=False)
-
-    def known(self, hf_name: str) -> bool:
-        return to_dtrain_name(hf_name) is not None
-
-    def layout(self, hf_names: Iterable[str]) -> str:
-        return "hub"
-
-    def pieces(self, name: str, cfg: LlamaConfig, layout: str) -> list[Piece]:
-        return [Piece(to_hf_name(name))]
-
-
-LLAMA = Llama()
-
-
-def _families() -> dict[str, Llama]:
-    from dtrain import hf_mixtral
-
-    return {"llama": LLAMA, "mixtral": hf_mixtral.MIXTRAL}
-
-
-def family_of_config(cfg: LlamaConfig | MoEConfig) -> Llama:
-    return next(f for f in _families().values() if isinstance(cfg, f.config_cls))
-
-
-def _family_of_hf(hf: dict[str, Any], source: str) -> Llama:
-    kind, known = hf.get("model_type"), _families()
+def _family_of_hf(hf: dict[str, Any], source: str) -> HFFamily:
+    kind, known = hf.get("model_type"), hf_families()
     if kind not in known:
         raise UserError(f"{source}: model_type {kind!r} is not supported; dtrain imports "
-                        f"{' and '.join(map(repr, known))} checkpoints")
+                        f"{' and '.join(map(repr, sorted(known)))} checkpoints")
     return known[kind]
 
 
-def common_config_from_hf(hf: dict[str, Any], source: str, title: str, *, default_theta: float,
-                          default_eps: float) -> dict[str, Any]:
-    """The config fields every family shares (the legacy `rope_theta`/`rope_scaling` keys or the
-    newer `rope_parameters`), after checking what dtrain's attention cannot do."""
-    unsupported = {key: hf.get(key) for key, ok in (("hidden_act", "silu"), ("attention_bias", False),
-                                                    ("mlp_bias", False)) if hf.get(key, ok) != ok}
-    if unsupported:
-        raise UserError(f"{source}: {unsupported} differ from dtrain's {title} (silu, no biases); "
-                        f"this checkpoint cannot be imported")
-    heads = hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-        raise UserError(f"{source}: head_dim={hf['head_dim']} is not hidden_size/num_attention_heads="
-                        f"{hf['hidden_size'] // heads}; dtrain needs head_dim = dim / num_heads")
-    rope = dict(hf.get("rope_parameters") or {})
-    if not rope:
-        rope = dict(hf.get("rope_scaling") or {})
-        rope.setdefault("rope_theta", hf.get("rope_theta", default_theta))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise UserError(f"{source}: rope type {rope_type!r} is not supported; dtrain has the default and "
-                        f"'llama3' RoPE scalings")
-    scaling = None
-    if rope_type == "llama3":
-        scaling = RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                              high_freq_factor=float(rope["high_freq_factor"]),
-                              original_max_seq_len=int(rope["original_max_position_embeddings"]))
-    return dict(
-        dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
-        rope_theta=float(rope["rope_theta"]), rope_scaling=scaling,
-        norm_eps=float(hf.get("rms_norm_eps", default_eps)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
-
-
-def common_config_to_hf(cfg: LlamaConfig | MoEConfig, dtype: torch.dtype, base: dict[str, Any] | None,
-                        max_positions: int, **fields: Any) -> dict[str, Any]:
-    """HF's config.json: the shared fields, RoPE and dtype, plus the family's `fields`; `base`
-    (the config an import came from) keeps its other keys."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_seq_len}
-        max_positions = int(s.original_max_seq_len * s.factor)
-    out = dict(base or {"max_position_embeddings": max_positions})
-    out.update(
-        hidden_size=cfg.dim, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
-        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", **fields,
-    )
-    # transformers >= 5 reads `dtype`, older versions `torch_dtype`.
-    out["dtype"] = out["torch_dtype"] = str(dtype).removeprefix("torch.")
-    # Both spellings of RoPE, so that transformers before and after 5.0 read the same model.
-    out["rope_parameters"] = rope
-    out["rope_theta"] = cfg.rope_theta
-    out["rope_scaling"] = None if cfg.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"}
-    return out
-
-
 def config_from_hf(hf: dict[str, Any], source: str) -> LlamaConfig | MoEConfig:
-    """The model config of HF's config.json (model_type 'llama' or 'mixtral')."""
+    """The model config of HF's config.json (any model_type of `hf_families()`)."""
     family = _family_of_hf(hf, source)
     try:
         return family.config_from_hf(hf, source)

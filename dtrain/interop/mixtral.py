@@ -12,7 +12,15 @@ Two tensor layouts are read, one written:
 - transformers >= 5's in-memory one (`save_pretrained(save_original_format=False)`): experts fused,
   `model.layers.{i}.mlp.experts.gate_up_proj` [E, 2F, D] (gate rows, then up rows) and
   `...mlp.experts.down_proj` [E, D, F], router `...mlp.gate.weight`.
-dtrain stacks experts: `blocks.{i}.moe.experts.w_gate`/`w_up` [E, F, D], `w_down` [E, D, F]."""
+dtrain stacks experts: `blocks.{i}.moe.experts.w_gate`/`w_up` [E, F, D], `w_down` [E, D, F].
+
+The load-balancing loss is defined differently. transformers pools the router statistics of all
+L layers into one Switch loss over top-k choices, `E * sum_e (k f_e) P_e` (f_e: the share of
+expert e among all layers' choices, P_e: its mean probability over all layers' tokens), while
+dtrain adds one Switch loss per layer, `E * sum_e f_le P_le`. Where every layer's load is the
+pooled load (a balanced router, which a trained checkpoint has), the two give each layer's router
+the same gradient when dtrain's coefficient is transformers' times k / L: `router_aux_loss_coef`
+is converted so on import, and back on export."""
 
 from __future__ import annotations
 
@@ -21,7 +29,9 @@ from typing import Any, Iterable
 
 import torch
 
-from dtrain import hf
+from dtrain.interop.family import (
+    SHARED_NAMES, HFFamily, Piece, common_config_from_hf, common_config_to_hf, map_name, name_tables, pattern,
+)
 from models.config import MoEConfig
 from models.errors import UserError
 
@@ -41,12 +51,26 @@ LAYOUTS: dict[str, dict[str, tuple[str, Any]]] = {
         "experts.w_down": ("model.layers.{i}.mlp.experts.down_proj", None),
     },
 }
-_PATTERNS = {layout: [hf.pattern(t) for t, _ in names.values()] for layout, names in LAYOUTS.items()}
+_PATTERNS = {layout: [pattern(t) for t, _ in names.values()] for layout, names in LAYOUTS.items()}
 _MOE_NAME = re.compile(r"^blocks\.(?P<i>\d+)\.moe\.(?P<what>.+)$")
-_SHARED_TO_DTRAIN, _SHARED_TO_HF = hf.name_tables(hf.SHARED_NAMES)
+_SHARED_TO_DTRAIN, _SHARED_TO_HF = name_tables(SHARED_NAMES)
 
 
-class Mixtral(hf.Llama):
+def aux_loss_coef_from_hf(router_aux_loss_coef: float, top_k: int, num_layers: int) -> float:
+    """dtrain's per-layer coefficient for transformers' pooled one (the module docstring)."""
+    return _without_float_noise(router_aux_loss_coef * top_k / num_layers)
+
+
+def aux_loss_coef_to_hf(aux_loss_coef: float, top_k: int, num_layers: int) -> float:
+    return _without_float_noise(aux_loss_coef * num_layers / top_k)
+
+
+def _without_float_noise(value: float) -> float:
+    # 12 significant digits: an import and export give back the checkpoint's 0.001, not 0.0010000000000000002.
+    return float(f"{value:.12g}")
+
+
+class Mixtral(HFFamily):
     model_type, architecture, title, config_cls = "mixtral", "MixtralForCausalLM", "Mixtral", MoEConfig
     # Training choices that change neither the parameters nor the model's function: a run that
     # starts from a Mixtral checkpoint may pick its own (a router_bias starts at zero).
@@ -57,11 +81,14 @@ class Mixtral(hf.Llama):
         if window is not None:
             raise UserError(f"{source}: sliding_window={window}, but dtrain's attention has no sliding window (it "
                             f"matches for sequences up to {window} tokens: set \"sliding_window\": null to import)")
-        common = hf.common_config_from_hf(cfg, source, self.title, default_theta=1e6, default_eps=1e-5)
+        common = common_config_from_hf(cfg, source, self.title, default_theta=1e6, default_eps=1e-5)
+        top_k = cfg["num_experts_per_tok"]
+        aux_loss_coef = aux_loss_coef_from_hf(float(cfg.get("router_aux_loss_coef", 0.001)), top_k,
+                                              common["num_layers"])
         return MoEConfig(
-            num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+            num_experts=cfg["num_local_experts"], top_k=top_k,
             expert_ffn_dim=cfg["intermediate_size"], num_shared_experts=0, score_func="softmax",
-            route_norm=True, aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)), z_loss_coef=0.0,
+            route_norm=True, aux_loss_coef=aux_loss_coef, z_loss_coef=0.0,
             bias_update_rate=0.0, capacity_factor=None, first_dense_layers=0, dense_ffn_dim=0, **common,
         )
 
@@ -76,31 +103,31 @@ class Mixtral(hf.Llama):
         if problems:
             raise UserError(f"this MoE model has no Hugging Face equivalent: {'; '.join(problems)}; only "
                             f"Mixtral-shaped models are exported")
-        return hf.common_config_to_hf(
+        return common_config_to_hf(
             cfg, dtype, base, 32768, architectures=[self.architecture], model_type=self.model_type,
-            intermediate_size=cfg.expert_ffn_dim, num_local_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=None,
+            intermediate_size=cfg.expert_ffn_dim, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+            router_aux_loss_coef=aux_loss_coef_to_hf(cfg.aux_loss_coef, cfg.top_k, cfg.num_layers), sliding_window=None,
         )
 
     def known(self, hf_name: str) -> bool:
-        return (hf.map_name(hf_name, _SHARED_TO_DTRAIN) is not None
+        return (map_name(hf_name, _SHARED_TO_DTRAIN) is not None
                 or any(p.match(hf_name) for patterns in _PATTERNS.values() for p in patterns))
 
     def layout(self, hf_names: Iterable[str]) -> str:
         """The fused layout when any name has it, else the hub's (a mix then fails as unexpected tensors)."""
         return "fused" if any(p.match(n) for n in hf_names for p in _PATTERNS["fused"]) else "hub"
 
-    def pieces(self, name: str, cfg: MoEConfig, layout: str) -> list[hf.Piece]:
+    def pieces(self, name: str, cfg: MoEConfig, layout: str) -> list[Piece]:
         m = _MOE_NAME.match(name)
         if m is None:
-            hf_name = hf.map_name(name, _SHARED_TO_HF)
+            hf_name = map_name(name, _SHARED_TO_HF)
             assert hf_name is not None, name
-            return [hf.Piece(hf_name)]
+            return [Piece(hf_name)]
         template, how = LAYOUTS[layout][m.group("what")]
         template = template.replace("{i}", m.group("i"))
         if how == "expert":
-            return [hf.Piece(template.replace("{j}", str(j)), expert=j) for j in range(cfg.num_experts)]
-        return [hf.Piece(template, half=how)]
+            return [Piece(template.replace("{j}", str(j)), expert=j) for j in range(cfg.num_experts)]
+        return [Piece(template, half=how)]
 
 
-MIXTRAL = Mixtral()
+FAMILY = Mixtral()

@@ -11,7 +11,7 @@ import sys
 
 from torch.distributed.checkpoint import filesystem
 
-from dtrain import checkpoint
+from dtrain.checkpoint import storage as checkpoint
 from dtrain.run import main
 
 WHERE = os.environ["DTRAIN_TEST_DIE_WHERE"]
