@@ -19,6 +19,7 @@ from dtrain.distributed import Runtime
 from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.plan.validate import build_plan, validate
+from dtrain.resilience.faults import FaultInjector
 from models import families, flops, llama, moe, spec
 from models.errors import UserError
 from parallel import context_parallel, pipeline, precision
@@ -98,6 +99,7 @@ class Trainer:
         self.flops_per_token = flops.flops_per_token(self.model_cfg, d.seq_len)
         self.metrics = MetricsLogger(self.run_dir, runtime.is_main, self.peak_flops, runtime.device,
                                      start_step=self.step)
+        self.faults = FaultInjector(runtime.rank, self.run_dir)
         if runtime.is_main:
             logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s%s", config.model.model,
                         spec.count_params(families.layers(self.model_cfg)) / 1e6, self.mesh_spec,
@@ -145,14 +147,16 @@ class Trainer:
     def parameters(self):
         return [param for part in self.model_parts for param in part.parameters()]
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Accumulates the gradients of this rank's micro-batches; returns their summed loss."""
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         loss_factor: float = 1.0) -> torch.Tensor:
+        """Accumulates the gradients of this rank's micro-batches; returns their summed loss.
+        `loss_factor` multiplies the loss before backward (fault injection: NaN or a spike)."""
         device = self.runtime.device
         if self.pipeline is not None:
             inputs = self._local(torch.cat([inputs for inputs, _ in micro_batches]))
             labels = self._local(torch.cat([labels for _, labels in micro_batches]))
             with self.ctx.kernel_scope():
-                return self.pipeline.step(inputs, labels, self.rope_aux)
+                return self.pipeline.step(inputs, labels, self.rope_aux, loss_factor)
         loss_sum = torch.zeros((), device=device)
         with self.ctx.kernel_scope():
             for index, batch in enumerate(micro_batches):
@@ -163,6 +167,8 @@ class Trainer:
                     self.model.set_requires_gradient_sync(last)
                     self.model.set_reshard_after_backward(last)
                 micro_loss = self.model(self._local(batch[0]), self._micro_aux(batch))
+                if loss_factor != 1.0:
+                    micro_loss = micro_loss * loss_factor
                 (micro_loss * self.loss_scale).backward()
                 loss_sum += micro_loss.detach().float()
         return loss_sum
@@ -217,10 +223,11 @@ class Trainer:
         device already runs the next step."""
         d = self.config.data
         launched_at = time.perf_counter()
+        self.faults.at_step_start(self.step + 1)
         micro_batches = self.dataset.micro_batches(
             self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size
         )
-        loss_sum = self.forward_backward(micro_batches)
+        loss_sum = self.forward_backward(micro_batches, self.faults.loss_factor(self.step + 1))
         rescale_expert_grads_(self.expert_params, self.plan, self.tp_group)
         grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer)
         lr = self.scheduler.get_last_lr()[0]

@@ -160,16 +160,22 @@ class PipelineRunner:
 
         def loss_fn(hidden, labels):
             # Runs on the last stage: head, loss, and the scale to the global batch.
-            return last.head_loss(hidden, attrs.evolve(self.aux, labels=labels)) * loss_scale
+            return last.head_loss(hidden, attrs.evolve(self.aux, labels=labels)) * self.loss_scale
 
         self.loss_scale = loss_scale
         self.schedule = build_schedule(parts, stage_indices, num_stages, schedule, num_microbatches,
                                        loss_fn, device, group)
 
-    def step(self, inputs, labels, aux) -> torch.Tensor:
+    def step(self, inputs, labels, aux, loss_factor: float = 1.0) -> torch.Tensor:
         """Forward and backward of all micro-batches; the summed (unscaled) loss of this rank's
-        last stage, zero on ranks without it."""
-        return self._run(self.schedule.step, inputs, labels, aux)
+        last stage, zero on ranks without it. `loss_factor` multiplies the loss before backward."""
+        if loss_factor == 1.0:
+            return self._run(self.schedule.step, inputs, labels, aux)
+        scale, self.loss_scale = self.loss_scale, self.loss_scale * loss_factor
+        try:
+            return self._run(self.schedule.step, inputs, labels, aux) * loss_factor
+        finally:
+            self.loss_scale = scale
 
     def evaluate(self, inputs, labels, aux) -> torch.Tensor:
         """Forward only, same result as `step`."""

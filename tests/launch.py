@@ -25,10 +25,11 @@ def _free_port() -> int:
 
 
 def run_cli(args: list[str], nproc: int = 1, module: str = "dtrain.run",
-            timeout: float = 600) -> subprocess.CompletedProcess:
+            timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m module args` (under torchrun for nproc > 1) with `env` added to the environment."""
     # The repo first, then whatever the caller's path had (packages installed beside the system's).
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
     if nproc == 1:
         cmd = [sys.executable, "-m", module, *args]
     else:
@@ -42,7 +43,8 @@ def scalars(run_dir: Path) -> dict[str, list[float]]:
     return {tag: [value for _, value in sorted(by_step.items())] for tag, by_step in read_scalars(run_dir).items()}
 
 
-def train_scalars(run_dir: Path, extra: list[str], nproc: int = 1) -> dict[str, list[float]]:
-    result = run_cli([*TINY_ARGS, "--run-dir", str(run_dir), *extra], nproc=nproc)
+def train_scalars(run_dir: Path, extra: list[str], nproc: int = 1,
+                  env: dict[str, str] | None = None) -> dict[str, list[float]]:
+    result = run_cli([*TINY_ARGS, "--run-dir", str(run_dir), *extra], nproc=nproc, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return scalars(run_dir)
