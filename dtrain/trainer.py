@@ -286,11 +286,12 @@ class Trainer:
         }
         if launched.router_stats is not None:
             scalars.update(launched.router_stats.scalars())
+        # The keys a query attended to, on average: each document's causal (windowed) attention only.
+        attended_keys = launched.attended_pairs.item() / self.global_tokens
+        scalars["perf/attended_keys_per_token"] = attended_keys
         if self.peak_flops is not None:
             scalars["perf/mfu"] = 100.0 * self.flops_per_token * tokens_per_sec_per_gpu / self.peak_flops
-            # The attention FLOPs the step needed: each document's causal (windowed) attention only.
-            needed = flops.flops_per_token(self.model_cfg, self.config.data.seq_len,
-                                           attended_keys=launched.attended_pairs.item() / self.global_tokens)
+            needed = flops.flops_per_token(self.model_cfg, self.config.data.seq_len, attended_keys=attended_keys)
             scalars["perf/mfu_document_attention"] = 100.0 * needed * tokens_per_sec_per_gpu / self.peak_flops
         return scalars
 
