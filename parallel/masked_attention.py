@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from models import masking
 from models.errors import UserError
-from parallel.attention_blocks import _to_kernel
+from parallel.attention_blocks import to_kernel_layout
 
 ATTENTION_KERNELS = ("auto", "flex", "varlen", "dense")
 FLEX_BLOCK = 128
@@ -259,7 +259,7 @@ def block_forward(q, k, v, form: MaskForm) -> tuple[torch.Tensor, torch.Tensor]:
     scores = _masked_scores(q, k, form.dense)
     lse = scores.logsumexp(dim=-1)
     probs = (scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1)).exp()
-    out = probs @ _to_kernel(v, q.shape[2]).to(probs.dtype)
+    out = probs @ to_kernel_layout(v, q.shape[2]).to(probs.dtype)
     return out.to(q.dtype).transpose(1, 2), lse
 
 
@@ -270,11 +270,11 @@ def block_backward(grad_out, q, k, v, out, lse, form: MaskForm):
         return _flex_block_backward(grad_out, q, k, v, out, lse, form.block_mask)
     heads, kv_heads = q.shape[2], k.shape[2]
     probs = (_masked_scores(q, k, form.dense) - lse.unsqueeze(-1)).exp()
-    grad_out_, out_, v_ = (_to_kernel(t, heads).to(probs.dtype) for t in (grad_out, out, v))
+    grad_out_, out_, v_ = (to_kernel_layout(t, heads).to(probs.dtype) for t in (grad_out, out, v))
     delta = (grad_out_ * out_).sum(-1, keepdim=True)
     grad_scores = probs * (grad_out_ @ v_.transpose(-1, -2) - delta) * q.shape[-1] ** -0.5
-    grad_q = (grad_scores @ _to_kernel(k, heads).to(probs.dtype)).transpose(1, 2)
-    grad_k = (grad_scores.transpose(-1, -2) @ _to_kernel(q, heads).to(probs.dtype)).transpose(1, 2)
+    grad_q = (grad_scores @ to_kernel_layout(k, heads).to(probs.dtype)).transpose(1, 2)
+    grad_k = (grad_scores.transpose(-1, -2) @ to_kernel_layout(q, heads).to(probs.dtype)).transpose(1, 2)
     grad_v = (probs.transpose(-1, -2) @ grad_out_).transpose(1, 2)
     if kv_heads != heads:
         grad_k, grad_v = (g.unflatten(2, (kv_heads, heads // kv_heads)).sum(3) for g in (grad_k, grad_v))
@@ -285,7 +285,7 @@ def _masked_scores(q, k, dense: torch.Tensor) -> torch.Tensor:
     """[batch, heads, seq_q, seq_k] scaled scores in fp32 (or better), -inf where the mask hides a key."""
     heads = q.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
-    scores = _to_kernel(q, heads).to(compute) @ _to_kernel(k, heads).to(compute).transpose(-1, -2)
+    scores = to_kernel_layout(q, heads).to(compute) @ to_kernel_layout(k, heads).to(compute).transpose(-1, -2)
     return (scores * q.shape[-1] ** -0.5).masked_fill(~dense, float("-inf"))
 
 
