@@ -66,7 +66,9 @@ class DataArgs:
     data_cache_dir: str | None = _field(None, "where indexed data's sample indices are cached; unset: a "
                                               "dtrain_index_cache directory beside the data")
     reset_position_ids: bool = _field(False, "position ids restart at 0 at each document boundary in a sample")
-    document_mask: bool = _field(False, "give each sample's document ids, to mask attention across documents")
+    document_mask: bool = _field(False, "attention stays within each document of a sample (packed documents)")
+    synthetic_document_length: int = _field(0, "--data synthetic: pack documents of random lengths with this mean "
+                                               "into each sample (0: one document per sample)")
 
 
 @attrs.frozen
@@ -98,6 +100,10 @@ class TrainArgs:
     fp8_all_gather: bool = _field(True, "under --fp8 tensorwise with FSDP over CUDA GPUs and tp=1, all-gather the "
                                         "FP8 blocks' matmul weights in float8 (half the bytes of bf16)")
     compile: bool = _field(False, "torch.compile each transformer block")
+    attention_kernel: str = _field("auto", "kernel of attention within documents or a sliding window on GPUs: "
+                                           "auto (variable-length flash attention over whole rows, FlexAttention "
+                                           "elsewhere), flex, varlen (where it applies), or a dense mask",
+                                   choices=("auto", "flex", "varlen", "dense"))
     fuse_projections: bool = _field(False, "one matmul for q/k/v and one for gate/up where the weights are "
                                            "whole on the rank (tp=1)")
     recompute: str = _field("none", "activation recompute of blocks", choices=("none", "selective", "full"))

@@ -20,7 +20,7 @@ from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.plan.validate import build_plan, validate
 from dtrain.resilience.faults import FaultInjector
-from models import families, flops, llama, moe, spec
+from models import families, flops, llama, masking, moe, spec
 from models.errors import UserError
 from parallel import context_parallel, pipeline, precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_
@@ -91,6 +91,10 @@ class Trainer:
         positions = (context_parallel.load_balance_indices(d.seq_len, self.mesh_spec.cp, self.cp_rank)
                      if self.mesh_spec.cp > 1 else torch.arange(d.seq_len))
         self.rope_aux = families.make_aux(self.model_cfg, positions.to(runtime.device), loss_scale=self.loss_scale)
+        # A sliding window without documents: one mask for every micro-batch, built once.
+        if not d.document_mask:
+            self.rope_aux = attrs.evolve(self.rope_aux, mask=llama.window_mask(self.model_cfg, self.ctx,
+                                                                              d.micro_batch, d.seq_len))
         self.router_stats = getattr(self.rope_aux, "router_stats", None)
         self.peak_flops = peak_flops(runtime.device)
         self._last_read_back = 0.0
@@ -117,7 +121,7 @@ class Trainer:
             ep_dispatch=self.ep_dispatch or "alltoall",
             fp8_linear=precision.fp8_linear(t.fp8, self.runtime.device, float8_all_gather=t.fp8_all_gather),
             fp8_layers=self._fp8_layers(), fp8_head=t.fp8_head, fuse_projections=t.fuse_projections,
-            reshard_mode=p.fsdp_reshard_after_forward,
+            reshard_mode=p.fsdp_reshard_after_forward, attention_kernel=t.attention_kernel,
         )
         if self.mesh_spec.pp == 1:
             model, ctx = build(layers)
@@ -152,21 +156,24 @@ class Trainer:
         """Accumulates the gradients of this rank's micro-batches; returns their summed loss.
         `loss_factor` multiplies the loss before backward (fault injection: NaN or a spike)."""
         device = self.runtime.device
+        # Every micro-batch's labels, positions and attention mask first, on the host while the
+        # device still runs the previous step, rather than between the forwards.
+        auxes = [self._micro_aux(batch) for batch in micro_batches]
         if self.pipeline is not None:
             inputs = self._local(torch.cat([inputs for inputs, _ in micro_batches]))
             labels = self._local(torch.cat([labels for _, labels in micro_batches]))
             with self.ctx.kernel_scope():
-                return self.pipeline.step(inputs, labels, self.rope_aux, loss_factor)
+                return self.pipeline.step(inputs, labels, auxes, loss_factor)
         loss_sum = torch.zeros((), device=device)
         with self.ctx.kernel_scope():
-            for index, batch in enumerate(micro_batches):
+            for index, (batch, aux) in enumerate(zip(micro_batches, auxes)):
                 if self.config.parallel.fsdp_reduce_once:
                     # Gradients accumulate whole until the last backward, which reduce-scatters them;
                     # parameters gathered by a backward stay gathered for the next micro-batch's forward.
                     last = index == len(micro_batches) - 1
                     self.model.set_requires_gradient_sync(last)
                     self.model.set_reshard_after_backward(last)
-                micro_loss = self.model(self._local(batch[0]), self._micro_aux(batch))
+                micro_loss = self.model(self._local(batch[0]), aux)
                 if loss_factor != 1.0:
                     micro_loss = micro_loss * loss_factor
                 (micro_loss * self.loss_scale).backward()
@@ -183,14 +190,27 @@ class Trainer:
         return context_parallel.shard_sequence(tokens, self.mesh_spec.cp, self.cp_rank)
 
     def _micro_aux(self, batch) -> llama.Aux:
-        """The micro-batch's labels, and its per-document positions and mask when asked for."""
-        device, d = self.runtime.device, self.config.data
+        """The micro-batch's labels, and its per-document positions and attention mask when asked
+        for (this rank's chunks of the positions under cp; the mask's forms for its attention)."""
+        d = self.config.data
         changes = {"labels": self._local(batch[1])}
         if d.reset_position_ids:
-            changes["rope"] = llama.make_aux(self.model_cfg, batch.position_ids.to(device)).rope
+            changes["rope"] = llama.make_aux(self.model_cfg, self._local(batch.position_ids)).rope
         if d.document_mask:
-            changes["document_ids"] = batch.document_ids.to(device, non_blocking=True)
+            changes["mask"] = self.ctx.attention_mask(batch.document_ids, self.model_cfg.sliding_window)
         return attrs.evolve(self.rope_aux, **changes)
+
+    def _attended_pairs(self, micro_batches) -> int:
+        """Query-key pairs that attention needs over this rank's rows of a step (the sum over
+        documents of their causal, windowed attention), for the document-attention MFU."""
+        d, window = self.config.data, self.model_cfg.sliding_window
+        if not d.document_mask and window is None:
+            return len(micro_batches) * d.micro_batch * d.seq_len * (d.seq_len + 1) // 2
+        total = 0
+        for batch in micro_batches:
+            document_ids = batch.document_ids if d.document_mask else torch.zeros_like(batch[0])
+            total += masking.attended_pairs(masking.first_keys(document_ids, window))
+        return total
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -207,7 +227,8 @@ class Trainer:
                 for first in range(0, len(batches), per_step):
                     group = batches[first:first + per_step]
                     loss_sum += self.pipeline.evaluate(self._local(torch.cat([b[0] for b in group])),
-                                                       self._local(torch.cat([b[1] for b in group])), self.rope_aux)
+                                                       self._local(torch.cat([b[1] for b in group])),
+                                                       [self._micro_aux(b) for b in group])
             else:
                 for batch in batches:
                     loss_sum += self.model(self._local(batch[0]), self._micro_aux(batch)).float()
@@ -227,6 +248,7 @@ class Trainer:
         micro_batches = self.dataset.micro_batches(
             self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size
         )
+        attended_pairs = self._attended_pairs(micro_batches)
         loss_sum = self.forward_backward(micro_batches, self.faults.loss_factor(self.step + 1))
         rescale_expert_grads_(self.expert_params, self.plan, self.tp_group)
         grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer)
@@ -236,11 +258,15 @@ class Trainer:
             precision.after_optimizer_step(self.model_parts)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # One all-reduce for the loss and the attention work; cp and pp ranks count the same rows.
+        # (A fill, not a copy from the host: a pageable copy would wait for the queued kernels.)
+        totals = torch.stack([loss_sum, loss_sum.new_full((), float(attended_pairs))])
         for group in self.loss_groups:
-            dist.all_reduce(loss_sum, group=group)
+            dist.all_reduce(totals, group=group)
         router_stats = self._after_moe_step()
         self.step += 1
-        return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats)
+        return LaunchedStep(self.step, launched_at, totals[0], grad_norm, lr, router_stats,
+                            totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp))
 
     def _read_back(self, launched: "LaunchedStep") -> dict[str, float]:
         """The scalars of a launched step (waits for it). Its time runs from the previous step's
@@ -260,8 +286,13 @@ class Trainer:
         }
         if launched.router_stats is not None:
             scalars.update(launched.router_stats.scalars())
+        # The keys a query attended to, on average: each document's causal (windowed) attention only.
+        attended_keys = launched.attended_pairs.item() / self.global_tokens
+        scalars["perf/attended_keys_per_token"] = attended_keys
         if self.peak_flops is not None:
             scalars["perf/mfu"] = 100.0 * self.flops_per_token * tokens_per_sec_per_gpu / self.peak_flops
+            needed = flops.flops_per_token(self.model_cfg, self.config.data.seq_len, attended_keys=attended_keys)
+            scalars["perf/mfu_document_attention"] = 100.0 * needed * tokens_per_sec_per_gpu / self.peak_flops
         return scalars
 
     def _after_moe_step(self) -> moe.RouterStats | None:
@@ -334,3 +365,4 @@ class LaunchedStep:
     grad_norm: torch.Tensor
     lr: float
     router_stats: moe.RouterStats | None
+    attended_pairs: torch.Tensor  # query-key pairs attention needed over the global batch

@@ -25,7 +25,8 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     _check_model_split(config, model_cfg, mesh_spec)
     _check_sequence_split(config, model_cfg, mesh_spec)
     _check_options(config, model_cfg, mesh_spec)
-    validate_data_args(config.data.data, config.data.tokenizer, config.data.split)
+    validate_data_args(config.data.data, config.data.tokenizer, config.data.split,
+                       config.data.synthetic_document_length)
     return mesh_spec, model_cfg
 
 
@@ -79,11 +80,8 @@ def _check_model_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
 
 
 def _check_sequence_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
-    """Context parallelism's chunks, and the per-document options it (and pipelining) lacks."""
+    """Context parallelism's chunks."""
     d, cp, tp = config.data, mesh_spec.cp, mesh_spec.tp
-    if (mesh_spec.pp > 1 or cp > 1) and (d.reset_position_ids or d.document_mask):
-        raise UserError("--reset-position-ids and --document-mask are not available with pp > 1 or cp > 1 "
-                        "yet; use pp=1 and cp=1")
     if cp == 1:
         return
     if d.seq_len % (2 * cp):
