@@ -3,7 +3,6 @@ trainer, and the shutdown that follows an error (recorded in the run directory f
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -17,8 +16,6 @@ from dtrain.resilience import failures
 from dtrain.resilience.heartbeat import Heartbeat, open_board
 from dtrain.resilience.watchdog import GRACE_S, Watchdog
 from dtrain.trainer import Trainer
-
-logger = logging.getLogger("dtrain")
 
 
 def train(config: Config, before_step=None) -> list[dict[str, float]]:
@@ -37,7 +34,7 @@ def train(config: Config, before_step=None) -> list[dict[str, float]]:
         # the ranks the job waits for before a collective times out.
         runtime = distributed.init_process_group(t.init_timeout + (GRACE_S if watching else 0.0), run_dir)
         if watching:
-            watchdog = Watchdog(beat, open_board(runtime.rank, runtime.world_size), run_dir=run_dir,
+            watchdog = Watchdog(beat, open_board(runtime.rank, runtime.world_size, fallback=True), run_dir=run_dir,
                                 world_size=runtime.world_size, init_timeout=t.init_timeout,
                                 step_timeout=t.step_timeout)
             watchdog.start()
@@ -77,8 +74,5 @@ def _record_failure(error: BaseException, run_dir: Path, beat: Heartbeat,
         return failures.JobFailure(watchdog.report)  # recorded by the watchdog
     lost = watchdog.lost_peers() if watchdog is not None else ("", "")
     failure = failures.from_error(error, beat.rank, beat.step, beat.current, lost=lost)
-    try:
-        failures.record(run_dir, failure)
-    except OSError as write_error:
-        logger.warning("could not record the failure in %s: %s", run_dir / failures.FAILURES, write_error)
+    failures.record(run_dir, failure)
     return failures.JobFailure(failure.what) if failure.kind == "lost" else None

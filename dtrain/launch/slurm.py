@@ -169,8 +169,10 @@ def main(argv: list[str]) -> int:
         run_dir = Path(load_config(train_args).train.run_dir)  # also checks the training flags now
         job = SlurmJob.from_environment(dict(os.environ))
         nproc = options.nproc_per_node or job.gpus_per_node
-        if not nproc:
-            raise UserError("the job has no GPUs per node in its environment: pass --nproc-per-node")
+        if not nproc or nproc < 1:
+            raise UserError("the job has no GPUs per node in its environment: pass --nproc-per-node N (N >= 1)")
+        if options.max_restarts < 0:
+            raise UserError(f"--max-restarts {options.max_restarts} must be >= 0")
     except UserError as error:
         print(f"dtrain.launch: error: {error}", file=sys.stderr)
         return 2

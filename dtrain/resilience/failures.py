@@ -17,6 +17,7 @@ record and keeps the previous one in RUN_DIR/failures.previous/. Nothing here im
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 
 import attrs
+
+logger = logging.getLogger("dtrain")
 
 FAILURES = "failures"
 # Which of an attempt's records tells what happened: a rank's own error causes the lost
@@ -85,15 +88,21 @@ def from_error(error: BaseException, rank: int, step: int, phase: str, lost: tup
     return Failure(rank, step, phase, "error", f"{where}: {described}", volatile_free(described))
 
 
-def record(run_dir: Path, failure: Failure) -> None:
-    """Appends `failure` to this rank's file (one writer per file: safe on any shared filesystem)."""
+def record(run_dir: Path, failure: Failure) -> bool:
+    """Appends `failure` to this rank's file (one writer per file: safe on any shared filesystem);
+    False, with a warning, where the run directory takes no writes (the failure is still raised)."""
     folder = Path(run_dir) / FAILURES
-    folder.mkdir(parents=True, exist_ok=True)
     line = json.dumps(attrs.asdict(failure)) + "\n"
-    with open(folder / f"rank_{failure.rank:05d}.jsonl", "a") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"rank_{failure.rank:05d}.jsonl", "a") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        logger.warning("could not record the failure in %s: %s", folder, error)
+        return False
+    return True
 
 
 def read(run_dir: Path) -> list[Failure]:

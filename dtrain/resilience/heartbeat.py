@@ -13,6 +13,7 @@ every rank's last beat. A rank whose beat stops being published is frozen or gon
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -86,17 +87,25 @@ class Board:
         return self.store.add(f"claim/{what}", 1) == 1
 
 
-def open_board(rank: int, world_size: int, timeout_s: float = 30.0) -> Board:
+def open_board(rank: int, world_size: int, timeout_s: float = 30.0, fallback: bool = False) -> Board:
     """A board on its own connection to the job's store, so that the watchdog never queues behind
     a store operation of the training thread (a TCPStore client runs one operation at a time).
-    Keys are per torchrun attempt: a restarted job does not read the beats of the previous one."""
+    Keys are per torchrun attempt: a restarted job does not read the beats of the previous one.
+    With `fallback`, a store that cannot be reached gives a board of this rank alone (a warning)."""
     import torch.distributed as dist
 
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if world_size == 1 or not addr or not port:
         return Board(dist.HashStore(), rank)
-    client = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                           wait_for_workers=False)
+    try:
+        client = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                               wait_for_workers=False)
+    except (RuntimeError, ValueError) as error:
+        if not fallback:
+            raise
+        logging.getLogger("dtrain").warning("heartbeat: the job's store at %s:%s is unreachable (%s); a hang "
+                                            "will name this rank only", addr, port, error)
+        return Board(dist.HashStore(), rank)
     prefix = (f"dtrain/heartbeat/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/"
               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
     return Board(dist.PrefixStore(prefix, client), rank)

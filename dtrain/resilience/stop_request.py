@@ -11,6 +11,7 @@ learn of it when the ranks agree at every step's end whether to stop.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -56,5 +57,9 @@ class StopRequest:
 
     def clear(self) -> None:
         """Done with: the run saved and stops (a requeued job must not stop again at once)."""
-        if self.enabled:
+        if not self.enabled:
+            return
+        try:
             self.path.unlink(missing_ok=True)
+        except OSError as error:  # not a file, or a read-only run directory: the next start stops again
+            logging.getLogger("dtrain").warning("could not remove the stop request %s: %s", self.path, error)

@@ -32,31 +32,33 @@ CHECKS_IN_A_ROW = 3
 
 
 class StragglerTimer:
-    """Times the forward of every layer module of `model_parts` on armed steps (hooks registered
-    after FSDP's, so they run after its wait for the all-gather and after its reshard)."""
+    """Times the forward of every layer module of `model_parts` on checked steps. Its hooks exist
+    only during such a step (a module with hooks leaves nn.Module's fast call path), registered
+    after FSDP's, so they run after its wait for the all-gather and after its reshard."""
 
     def __init__(self, model_parts: list[nn.Module], every: int, device: torch.device):
         self.every, self.device = every, device
-        self.armed = False
+        self.layers = [layer for part in model_parts for layer in (part.embed, *part.blocks.values(), part.head)
+                       if layer is not None]
         self.spans: list[tuple] = []
         self._open: list = []
-        if every > 0:
-            for part in model_parts:
-                layers = [part.embed, *part.blocks.values(), part.head]
-                for layer in filter(None, layers):
-                    layer.register_forward_pre_hook(self._start)
-                    layer.register_forward_hook(self._end)
+        self._hooks: list = []
 
     def arm(self, step: int) -> None:
         """Times step `step` when it is a checked one."""
-        self.armed = self.every > 0 and step % self.every == 0
-        self.spans, self._open = [], []
+        if self.every > 0 and step % self.every == 0:
+            self.spans, self._open = [], []
+            for layer in self.layers:
+                self._hooks.append(layer.register_forward_pre_hook(self._start))
+                self._hooks.append(layer.register_forward_hook(self._end))
 
     def take(self) -> list[tuple] | None:
         """The armed step's spans (read them with `seconds` once the step completed), or None."""
-        if not self.armed:
+        if not self._hooks:
             return None
-        self.armed = False
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         return self.spans
 
     def _now(self):
@@ -67,11 +69,10 @@ class StragglerTimer:
         return time.perf_counter()
 
     def _start(self, module, args) -> None:
-        if self.armed:
-            self._open.append(self._now())
+        self._open.append(self._now())
 
     def _end(self, module, args, output) -> None:
-        if self.armed and self._open:
+        if self._open:
             self.spans.append((self._open.pop(), self._now()))
 
     @staticmethod

@@ -93,8 +93,8 @@ def diagnose(beats: dict[int, dict | None], now: float, stale_after: float) -> t
     if len(places) > MAX_PLACES:
         parts.append(f"{sum(len(r) for r in list(places.values())[MAX_PLACES:])} more ranks elsewhere")
     if not culprits:
-        parts.append("no rank is behind: a collective does not complete (a network or NCCL problem; NCCL's "
-                     "flight recorder dumps go to RUN_DIR/flight_recorder)")
+        parts.append("no rank is behind: a collective does not complete (a network or NCCL problem; NCCL's flight "
+                     "recorder dumps go to RUN_DIR/flight_recorder), or the phase is slower than its timeout")
         culprits.append("collective")
     return "; ".join(parts), "; ".join(culprits)
 
