@@ -103,6 +103,18 @@ def enable_flight_recorder(run_dir: Path) -> None:
         os.environ.setdefault(name, value)
 
 
+def dump_flight_recorder(rank: int) -> Path | None:
+    """Writes this rank's NCCL flight recorder now, where NCCL writes it on a timeout (a hang found
+    before any collective timed out ends the run without one); None without NCCL or the API."""
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    if not (prefix and dump and torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    path = Path(f"{prefix}{rank}")
+    path.write_bytes(dump())
+    return path
+
+
 def process_groups() -> list:
     """Every process group this rank belongs to, the default one included."""
     return list(c10d._world.pg_map)

@@ -373,7 +373,6 @@ class Trainer:
             self.metrics.close()
         return history
 
-
     def _step_boundary(self, before_save) -> bool:
         """Where the ranks agree to save or stop; True when the run stops (it saved first)."""
         reason = self.stop_request.poll()

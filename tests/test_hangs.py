@@ -121,8 +121,8 @@ def test_a_stopped_rank_ends_the_run_within_the_step_timeout_and_is_named(tmp_pa
 
 @pytest.mark.gpu
 def test_a_stopped_rank_on_nccl_is_named_and_nccl_dumps_its_flight_recorder(tmp_path):
-    """Two GPUs: the same stop as above, on NCCL. The report comes at --step-timeout; rank 0's
-    collective times out 20 s later, and NCCL writes its flight recorder into the run directory."""
+    """Two GPUs: the same stop as above, on NCCL (the host waits on an event that releases the
+    GIL, so the watchdog runs). With the report, rank 0 writes NCCL's flight recorder."""
     import torch
 
     if torch.cuda.device_count() < 2:

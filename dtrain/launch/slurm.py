@@ -106,11 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(launcher options, training args): split at `--`; without one, everything is for training."""
+    """(launcher options, training args): split at `--`; without one, everything is for training
+    but a lone --help."""
     if "--" in argv:
         at = argv.index("--")
         return argv[:at], argv[at + 1:]
-    return [], argv
+    return (argv, []) if argv in (["-h"], ["--help"]) else ([], argv)
 
 
 def torchrun_command(job: SlurmJob, nproc: int, port: int, max_restarts: int, train_args: list[str]) -> list[str]:

@@ -14,7 +14,8 @@ Collectives time out `GRACE_S` later than the watchdog's limit, so the watchdog 
 
 1. the first rank to notice reads every rank's heartbeat and names those that stopped
    publishing (frozen or gone: `hang@rank1:step5` is a SIGSTOP) and those behind the others;
-   each rank logs one line and writes its Python stacks to RUN_DIR/hangs/rank_N.txt;
+   each rank logs one line, writes its Python stacks to RUN_DIR/hangs/rank_N.txt and, on GPUs,
+   NCCL's flight recorder to RUN_DIR/flight_recorder/rank_N;
 2. ranks on its own node that stopped publishing are SIGKILLed: a frozen process cannot take
    the SIGTERM with which torchrun stops workers (it would wait 30 s before its SIGKILL);
 3. the stuck collective then fails (at once when its peer is gone, else after GRACE_S: NCCL
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dtrain import distributed
 from dtrain.resilience import failures
 from dtrain.resilience.heartbeat import LONG_PHASES, PHASES, Board, Heartbeat
 
@@ -250,7 +252,7 @@ class Watchdog:
         except Exception as error:
             line = f"hang: {own} (the heartbeats are unreadable: {error})"
         self.report = line
-        logger.error("%s; Python stacks: %s", line, self._dump_stacks())
+        logger.error("%s; Python stacks: %s%s", line, self._dump_stacks(), self._dump_flight_recorder())
         failures.record(self.run_dir, failures.Failure(self.beat.rank, step, phase, kind, line, key))
         self._kill_frozen_siblings()
 
@@ -261,6 +263,13 @@ class Watchdog:
         with open(path, "w") as f:
             faulthandler.dump_traceback(f, all_threads=True)
         return path
+
+    def _dump_flight_recorder(self) -> str:
+        try:
+            path = distributed.dump_flight_recorder(self.beat.rank)
+        except Exception as error:  # the report matters more than the dump
+            return f"; no flight recorder dump ({error})"
+        return f"; NCCL flight recorder: {path}" if path else ""
 
     def _kill_frozen_siblings(self) -> None:
         """Workers of this node (children of the same torchrun agent) whose heartbeat went stale."""
