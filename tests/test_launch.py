@@ -98,6 +98,19 @@ def test_a_stop_request_is_seen_by_rank_0_at_most_every_few_seconds_and_cleared(
     assert stop_request.pending(tmp_path)
     watcher.clear()
     assert not stop_request.pending(tmp_path)
+    # Whatever the file holds (a gigabyte, binary), the request is its first line, cut short.
+    (tmp_path / "stop").write_bytes(b"\xff\xfe preempted\n" + b"x" * 10_000_000)
+    watcher._next_check = 0.0
+    assert watcher.poll().endswith(": \ufffd\ufffd preempted)")
+
+
+def test_the_gpus_per_node_come_from_the_job_as_slurm_writes_them(monkeypatch):
+    monkeypatch.setattr(slurm, "hostnames", lambda nodelist: ["a", "b"])
+    base = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "a,b"}
+    for value, gpus in (("8", 8), ("h100:4", 4), ("gpu:h100:2", 2), ("", None), ("h100", None)):
+        assert slurm.SlurmJob.from_environment({**base, "SLURM_GPUS_PER_NODE": value}).gpus_per_node == gpus, value
+    assert slurm.SlurmJob.from_environment({**base, "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_ON_NODE": "64",
+                                            "SLURM_RESTART_COUNT": "2"}) == slurm.SlurmJob("5", ("a", "b"), 2, 4, 64)
 
 
 @pytest.mark.slow

@@ -45,6 +45,13 @@ def test_errors_are_classified_without_their_volatile_numbers():
     assert failures.from_error(failures.Terminated("SIGTERM"), 0, 3, "init").kind == "lost"
 
 
+def test_unreadable_records_are_skipped_not_fatal(tmp_path):
+    failures.record(tmp_path, _failure((0, 0)))
+    with open(tmp_path / "failures" / "rank_00001.jsonl", "w") as f:
+        f.write('{"rank": 1, "step": "x"}\n{"attempt": "zz", "kind": "error"}\n\x00\xff garbage\n{"half": ')
+    assert [f.rank for f in failures.read(tmp_path)] == [0]
+
+
 def test_a_fresh_start_sets_the_record_aside_and_a_restart_after_two_alike_stops(tmp_path, monkeypatch):
     for attempt in ((0, 0), (0, 1)):
         failures.record(tmp_path, _failure(attempt))

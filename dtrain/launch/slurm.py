@@ -62,8 +62,9 @@ class SlurmJob:
             raise UserError("not inside a SLURM allocation (no SLURM_JOB_ID / SLURM_JOB_NODELIST): submit it with "
                             "`sbatch --nodes N tools/slurm.sbatch TRAIN ARGS`")
         nodes = hostnames(env["SLURM_JOB_NODELIST"])
-        gpus = env.get("SLURM_GPUS_ON_NODE") or env.get("SLURM_GPUS_PER_NODE", "")
-        gpus_per_node = int(gpus.rsplit(":", 1)[-1]) if re.fullmatch(r"(\w+:)?\d+", gpus) else None
+        # SLURM_GPUS_PER_NODE is what was asked for: `8`, `h100:8`, `gpu:h100:8`.
+        gpus = (env.get("SLURM_GPUS_ON_NODE") or env.get("SLURM_GPUS_PER_NODE", "")).rsplit(":", 1)[-1]
+        gpus_per_node = int(gpus) if gpus.isdigit() else None
         cpus = env.get("SLURM_CPUS_ON_NODE", "")
         return cls(env["SLURM_JOB_ID"], tuple(nodes), int(env.get("SLURM_RESTART_COUNT") or 0), gpus_per_node,
                    int(cpus) if cpus.isdigit() else None)

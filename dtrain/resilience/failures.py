@@ -111,12 +111,19 @@ def read(run_dir: Path) -> list[Failure]:
     failures = []
     folder = Path(run_dir) / FAILURES
     for path in sorted(folder.glob("rank_*.jsonl")) if folder.is_dir() else []:
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             try:
-                failures.append(Failure(**json.loads(line)))
-            except (ValueError, TypeError):
+                failures.append(_parse(json.loads(line)))
+            except (ValueError, TypeError, KeyError, AttributeError):
                 continue
     return sorted(failures, key=lambda f: (f.attempt, f.time))
+
+
+def _parse(fields: dict) -> Failure:
+    if fields["kind"] not in KIND_ORDER:
+        raise ValueError(fields["kind"])
+    return Failure(int(fields["rank"]), int(fields["step"]), str(fields["phase"]), fields["kind"], str(fields["what"]),
+                   str(fields["key"]), tuple(int(a) for a in fields["attempt"]), float(fields["time"]))
 
 
 def cause(failures: list[Failure]) -> Failure:

@@ -48,11 +48,13 @@ class StopRequest:
             return None
         self._next_check = now + CHECK_EVERY_S
         try:
-            text = self.path.read_text().strip()
+            with open(self.path, "rb") as f:
+                head = f.read(200).decode(errors="replace").strip()  # the reason's first line
         except FileNotFoundError:
             return None
-        except OSError as error:
-            text = f"unreadable ({error})"
+        except OSError as error:  # a directory, no permission: still a request to stop
+            head = f"unreadable ({error})"
+        text = head.splitlines()[0] if head else ""
         return f"a stop request ({self.path}: {text})" if text else f"a stop request ({self.path})"
 
     def clear(self) -> None:
