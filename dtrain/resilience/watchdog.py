@@ -251,9 +251,11 @@ class Watchdog:
                 key = f"waited in {phase} for a hang"
         except Exception as error:
             line = f"hang: {own} (the heartbeats are unreadable: {error})"
-        self.report = line
         logger.error("%s; Python stacks: %s%s", line, self._dump_stacks(), self._dump_flight_recorder())
         failures.record(self.run_dir, failures.Failure(self.beat.rank, step, phase, kind, line, key))
+        # Set once the record is on disk: the training thread raises the report, and a restart
+        # that read the failures before the record was written would not see this hang.
+        self.report = line
         self._kill_frozen_siblings()
 
     def _dump_stacks(self) -> Path:
