@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=int, required=True, help="the step whose start kills the rank")
     parser.add_argument("--rank", type=int, default=1, help="the rank to kill")
     args = parser.parse_args(argv[:at])
+    if not 0 <= args.rank < args.nproc:
+        parser.error(f"--rank {args.rank} is not one of the {args.nproc} ranks; give --rank below --nproc")
     extra = argv[at + 1:]
     if "--run-dir" not in extra:
         extra += ["--run-dir", f"runs/restart-time-{int(time.time())}"]
