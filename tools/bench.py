@@ -199,12 +199,20 @@ def table(path: Path) -> str:
     for r in rows:
         options = " ".join(_options(r)) or "-"
         mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "-"
+        if _masked(r) and r.get("mfu_document_attention_pct") is not None:
+            # The convention counts a masked run's attention as dense; what it attends says more.
+            mfu += f" ({r['mfu_document_attention_pct']:.1f}% attended)"
         lines.append(
             f"| {r['shape']} | {r['gpus']}x {r['device'].replace('NVIDIA ', '')} | {r['mesh']} | {r['seq_len']} | "
             f"{r['micro_batch']}/{r['global_batch']} | {r['precision']} | {options} | "
             f"{r['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {r['peak_mem_gb']:.1f} GB | {r['date']}, {r['commit']} |"
         )
     return "\n".join(lines)
+
+
+def _masked(row: dict) -> bool:
+    """Whether the run attends within documents or a sliding window rather than whole causal rows."""
+    return "--document-mask" in row["args"] or any("sliding_window" in arg for arg in row["args"])
 
 
 def _flag_value(args: list[str], flag: str, default: str) -> str:
