@@ -19,6 +19,8 @@ from tests import fake_te
 from tests.launch import TINY_ARGS, run_cli, scalars
 
 TE = ["--precision", "bf16", "--fp8-backend", "te"]
+# Two micro-batches of two sequences a step: enough for scales shared within a step, cheap on CI.
+SMALL_BATCH = ["--global-batch", "4", "--micro-batch", "2"]
 
 
 def _quantized(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
@@ -183,7 +185,7 @@ def _train(run_dir: Path, extra: list[str], steps: int = 3, recipe: str = "delay
     from dtrain.trainer import Trainer
 
     config = with_global_batch(load_config([*TINY_ARGS, "--steps", str(steps), "--run-dir", str(run_dir), *TE,
-                                            "--fp8", recipe, *extra]), 1)
+                                            *SMALL_BATCH, "--fp8", recipe, *extra]), 1)
     runtime = distributed.init_process_group()
     try:
         return Trainer(config, runtime).fit()
@@ -204,8 +206,8 @@ def test_selective_recompute_keeps_te_matmul_outputs_and_recomputes_with_the_sam
             calls.clear()
             runs[mode] = _losses(_train(tmp_path / mode, ["--recompute", mode], steps=2))
             forward_gemms[mode] = sum(1 for c in calls if c["op"] == "gemm" and c["layout"] == "TN")
-    # 4 blocks x 7 projections x 4 micro-batches x 2 steps (the head is bf16).
-    assert forward_gemms["none"] == 4 * 7 * 4 * 2
+    # 4 blocks x 7 projections x 2 micro-batches x 2 steps (the head is bf16).
+    assert forward_gemms["none"] == 4 * 7 * 2 * 2
     assert forward_gemms["selective"] == forward_gemms["none"]
     assert forward_gemms["full"] == 2 * forward_gemms["none"]
     for mode in ("selective", "full"):
@@ -225,25 +227,25 @@ def _fp8_state(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 def test_delayed_scaling_state_is_checkpointed_and_resumed_bit_exactly(tmp_path, monkeypatch):
     with fake_te.installed():
-        reference = _losses(_train(tmp_path / "a", ["--checkpoint-every", "2"], steps=4))
-        saved = _fp8_state(tmp_path / "a" / "checkpoints" / "step_000002")
+        reference = _losses(_train(tmp_path / "a", ["--checkpoint-every", "1"], steps=2))
+        saved = _fp8_state(tmp_path / "a" / "checkpoints" / "step_000001")
         assert {"grad_scale", "blocks.0.amax_history", "blocks.3.scale"} <= set(saved)
         assert saved["blocks.0.scale"].shape == (3 * 7,) and saved["blocks.0.amax_history"].shape == (1024, 21)
-        resume = ["--resume", str(tmp_path / "a" / "checkpoints" / "step_000002")]
-        resumed = _losses(_train(tmp_path / "b", [*resume, "--checkpoint-every", "2"], steps=4))
-        assert resumed == reference[2:]
-        final_a, final_b = (_fp8_state(tmp_path / run / "checkpoints" / "step_000004") for run in "ab")
+        resume = ["--resume", str(tmp_path / "a" / "checkpoints" / "step_000001")]
+        resumed = _losses(_train(tmp_path / "b", [*resume, "--checkpoint-every", "1"], steps=2))
+        assert resumed == reference[1:]
+        final_a, final_b = (_fp8_state(tmp_path / run / "checkpoints" / "step_000002") for run in "ab")
         assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
         # Without its FP8 state the same resume computes other losses: the state is what kept them.
         from dtrain.checkpoint import storage
 
         monkeypatch.setattr(storage, "load_fp8_state", lambda path, names: {})
-        fresh = _losses(_train(tmp_path / "c", resume, steps=4))
-        assert fresh[0] != reference[2]
+        fresh = _losses(_train(tmp_path / "c", resume, steps=2))
+        assert fresh[0] != reference[1]
 
 
 def _worker(run_dir: Path, args: list[str], nproc: int = 1, env: dict[str, str] | None = None) -> dict:
-    result = run_cli([*TINY_ARGS, "--run-dir", str(run_dir), *TE, *args], nproc=nproc,
+    result = run_cli([*TINY_ARGS, "--run-dir", str(run_dir), *TE, *SMALL_BATCH, *args], nproc=nproc,
                      module="tests.workers.with_fake_te", env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return scalars(run_dir)
@@ -254,29 +256,30 @@ def test_compiled_blocks_with_selective_recompute_keep_one_graph_and_the_eager_l
     """torch.compile (AOTAutograd's partitioner and selective recompute; the aot_eager backend,
     as inductor's C++ compile is too slow for CI; tests/test_te_gpu.py compiles with inductor)."""
     with fake_te.installed():
-        eager = _losses(_train(tmp_path / "eager", ["--recompute", "selective"]))
+        eager = _losses(_train(tmp_path / "eager", ["--recompute", "selective"], steps=2))
     env = {"STRICT_RECOMPILES": "1", "COMPILE_BACKEND": "aot_eager", "FAKE_TE_LOG": str(tmp_path / "calls")}
-    compiled = _worker(tmp_path / "compiled", ["--steps", "3", "--fp8", "delayed", "--compile", "--recompute",
+    compiled = _worker(tmp_path / "compiled", ["--steps", "2", "--fp8", "delayed", "--compile", "--recompute",
                                                "selective"], env=env)["train/loss"]
-    assert len(compiled) == 3
+    assert len(compiled) == 2
     for step, (a, e) in enumerate(zip(compiled, eager), 1):
         assert abs(a - e) <= 1e-5 * e, f"step {step}: compiled {a} vs eager {e}"
     calls = [json.loads(line) for line in (tmp_path / "calls.0").read_text().splitlines()]
-    assert sum(1 for c in calls if c["op"] == "gemm" and c["layout"] == "TN") == 4 * 7 * 4 * 3
+    assert sum(1 for c in calls if c["op"] == "gemm" and c["layout"] == "TN") == 4 * 7 * 2 * 2
 
 
 @pytest.mark.slow
 def test_delayed_scaling_on_dp_and_tp_with_sp_keeps_the_scales_of_one_process(tmp_path):
     """dp=2,tp=2 with sequence parallelism against one process: the same losses (up to bf16
-    rounding), and after the amax reduction the saved scales of one device that saw the whole
-    batch (without it, each rank's would follow its own rows and weight shards)."""
+    rounding), and after the first step's amax reduction the saved scales of one device that saw
+    the whole batch with the same weights (without it, each rank's would follow its own rows and
+    weight shards)."""
     with fake_te.installed():
-        single = _losses(_train(tmp_path / "single", ["--checkpoint-every", "3"]))
-    mesh = _worker(tmp_path / "mesh", ["--steps", "3", "--fp8", "delayed", "--mesh", "dp=2,tp=2",
-                                       "--sequence-parallel", "--checkpoint-every", "3"], nproc=4)["train/loss"]
+        single = _losses(_train(tmp_path / "single", ["--checkpoint-every", "1"], steps=2))
+    mesh = _worker(tmp_path / "mesh", ["--steps", "2", "--fp8", "delayed", "--mesh", "dp=2,tp=2",
+                                       "--sequence-parallel", "--checkpoint-every", "1"], nproc=4)["train/loss"]
     for step, (a, e) in enumerate(zip(mesh, single), 1):
         assert abs(a - e) <= 2e-3 * e, f"step {step}: dp=2,tp=2 {a} vs one process {e}"
-    one, four = (_fp8_state(tmp_path / run / "checkpoints" / "step_000003") for run in ("single", "mesh"))
+    one, four = (_fp8_state(tmp_path / run / "checkpoints" / "step_000001") for run in ("single", "mesh"))
     # The loss scale doubles with dp=2: so do the gradients and their amaxes.
     assert four["grad_scale"].item() == 2 * one["grad_scale"].item()
     for name in (k for k in one if k.endswith(".scale")):
