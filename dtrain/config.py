@@ -91,9 +91,14 @@ class TrainArgs:
     seed: int = _field(0, "seed of initialisation and data order")
     precision: str = _field("bf16", "compute precision (master weights and gradient reduction are fp32)",
                             choices=("bf16", "fp32"))
-    fp8: str | None = _field(None, "FP8 matmuls in the blocks (torchao recipes; on CPUs and pre-Hopper GPUs "
-                                   "the casts are emulated)", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
-    fp8_backend: str = _field("torchao", "FP8 implementation", choices=("torchao", "te"))
+    fp8: str | None = _field(None, "FP8 matmuls in the blocks: torchao's recipes (on CPUs and pre-Hopper GPUs "
+                                   "the casts are emulated), or with --fp8-backend te Transformer Engine's delayed or "
+                                   "current per-tensor scaling, mxfp8 (Blackwell) or blockwise",
+                             choices=("tensorwise", "rowwise", "rowwise_with_gw_hp",
+                                      "delayed", "current", "mxfp8", "blockwise"))
+    fp8_backend: str = _field("torchao", "FP8 implementation: torchao, or Transformer Engine (te: pip install -e "
+                                         "'.[te]' on CUDA machines)", choices=("torchao", "te"))
+    fp8_amax_history: int = _field(1024, "--fp8 delayed: steps of amax history whose max sets each scale")
     fp8_keep_ends: bool = _field(False, "keep the first and last blocks in bf16 under --fp8")
     fp8_head: bool = _field(False, "under --fp8, run the output projection in FP8 too (bf16 by default: its "
                                    "logits feed the loss directly)")

@@ -30,6 +30,7 @@ from models import families, flops, llama, masking, moe, spec
 from models.errors import UserError
 from parallel import context_parallel, pipeline, precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_
+from parallel.delayed_scaling import amax_reduction_dims
 from parallel.expert_parallel import choose_dispatch
 from parallel.gradients import clip_grads_
 from parallel.mesh import build_device_mesh, build_expert_mesh
@@ -70,6 +71,9 @@ class Trainer:
         # gradient of the mean loss over the whole global batch.
         # With cp, FSDP also averages over the cp ranks, which each hold 1/cp of every sample.
         self.loss_scale = self.mesh_spec.dp_size * self.mesh_spec.cp / self.global_tokens
+        self.fp8 = self._fp8_backend()
+        # Transformer Engine's delayed scaling: amax histories and scales, updated after each step.
+        self.fp8_scaling = getattr(self.fp8, "scaling", None)
         self.model_parts, self.ctx, self.pipeline = self._build_model()
         # The whole model on this rank; with pipelining, this rank's stages (several for
         # interleaved schedules) are `model_parts`.
@@ -81,7 +85,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t.steps, config.optim)
         self.checkpointer = Checkpointer(config, runtime, model_cfg=self.model_cfg, mesh_spec=self.mesh_spec,
                                          model_parts=self.model_parts, optimizer=self.optimizer,
-                                         scheduler=self.scheduler)
+                                         scheduler=self.scheduler, fp8_scaling=self.fp8_scaling)
         # --resume's checkpoint (any mesh), else --init-from-hf's weights; the step to start at.
         self.step = self.checkpointer.restore()
         self.beat.heading_for(self.step + 1)
@@ -138,7 +142,7 @@ class Trainer:
             compute_dtype=COMPUTE_DTYPES[t.precision], recompute_mode=t.recompute,
             compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm, expert_mesh=self.expert_mesh,
             ep_dispatch=self.ep_dispatch or "alltoall",
-            fp8_linear=precision.fp8_linear(t.fp8, self.runtime.device, float8_all_gather=t.fp8_all_gather),
+            fp8_linear=self.fp8,
             fp8_layers=self._fp8_layers(), fp8_head=t.fp8_head, fuse_projections=t.fuse_projections,
             reshard_mode=p.fsdp_reshard_after_forward, attention_kernel=t.attention_kernel,
         )
@@ -160,6 +164,15 @@ class Trainer:
         if self.runtime.is_main:
             logger.info("pipeline: %s, %d stages, blocks per stage %s", p.pp_schedule, num_stages, counts)
         return parts, parts[0].ctx, runner
+
+    def _fp8_backend(self):
+        """The FP8 matmuls' backend; delayed scaling reduces amaxes over the ranks holding other
+        rows or columns of the same tensors (delayed_scaling.amax_reduction_dims)."""
+        t = self.config.train
+        groups = [self.mesh.get_group(dim) for dim in amax_reduction_dims(self.mesh_spec.sizes())]
+        return precision.fp8_backend(t.fp8, t.fp8_backend, self.runtime.device, float8_all_gather=t.fp8_all_gather,
+                                     amax_groups=groups, grad_scale=self.loss_scale,
+                                     amax_history_len=t.fp8_amax_history)
 
     def _fp8_layers(self) -> frozenset[str]:
         """The blocks whose matmuls run in FP8: all of them, or all but the first and last."""
@@ -283,6 +296,8 @@ class Trainer:
         self.optimizer.step()
         if self.refresh_float8_scales:
             precision.after_optimizer_step(self.model_parts)
+        if self.fp8_scaling is not None:
+            self.fp8_scaling.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # One all-reduce for the loss and the attention work; cp and pp ranks count the same rows.

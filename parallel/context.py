@@ -55,9 +55,29 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         return ctx
 
     def linear(self, x, weight):
-        if self.fp8_linear is not None:
-            return self.fp8_linear(x, weight)
-        return F.linear(x, weight)
+        if self.fp8_linear is None:
+            return F.linear(x, weight)
+        if getattr(self.fp8_linear, "on_local_shards", False) and isinstance(weight, DTensor):
+            return self._linear_on_local_shards(x, weight)
+        return self.fp8_linear(x, weight)
+
+    def _linear_on_local_shards(self, x: DTensor, weight: DTensor) -> DTensor:
+        """`fp8_linear` on this rank's shards, laid out as the plan says: a weight split over its
+        output features (column) takes the whole input and gives output shards; one split over
+        its input features (row) takes input shards and gives partial sums, which the next
+        `constrain` reduces (an all-reduce, or a reduce-scatter under sequence parallelism); a
+        whole weight takes and gives whole tensors. Other input layouts are redistributed first."""
+        assert isinstance(x, DTensor), "a DTensor weight meets a plain input"
+        mesh, last = weight.device_mesh, x.ndim - 1
+        wanted = tuple(Shard(last) if p.is_shard(1) else Replicate() for p in weight.placements)
+        if tuple(x.placements) != wanted:
+            x = x.redistribute(mesh, wanted)
+        out_placements = [Shard(last) if p.is_shard(0) else Partial() if p.is_shard(1) else Replicate()
+                          for p in weight.placements]
+        # A whole input times an output-feature shard: each rank's input gradient is a partial sum.
+        grad_placements = [Partial() if p.is_shard(0) else q for p, q in zip(weight.placements, wanted)]
+        out = self.fp8_linear(x.to_local(grad_placements=grad_placements), weight.to_local())
+        return DTensor.from_local(out, mesh, out_placements, run_check=False)
 
     def _concatenated_linear(self, x, weights):
         if self.fp8_linear is not None:

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models import spec
-from parallel import data_parallel, recompute
+from parallel import data_parallel, precision, recompute
 from parallel.context import ParallelContext
 from parallel.modules import ModelModule
 from parallel.plan import Plan
@@ -42,14 +42,20 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
         return nn.Parameter(value, requires_grad=param.trainable)
 
     model = ModelModule(layers, make_param, ctx)
+    fp8_modules = [b for b in model.blocks.values() if b.layer_name in fp8_layers]
+    if fp8_head and model.head is not None:
+        fp8_modules.append(model.head)
+    if fp8_linear is not None and fp8_modules:
+        # Each FP8 layer's own matmuls (Transformer Engine's delayed scaling keeps state per matmul).
+        layer_fp8 = fp8_linear.for_layers({m.layer_name: _fp8_matmuls(m.layer_name, model.specs)
+                                           for m in fp8_modules})
+        for module in fp8_modules:
+            module.ctx = ctx.with_fp8(layer_fp8[module.layer_name])
+            module.forward_fn = layer_fp8[module.layer_name].wrap_forward(module.forward_fn)
     for block in model.blocks.values():
-        if fp8_linear is not None and block.layer_name in fp8_layers:
-            block.ctx = ctx.with_fp8(fp8_linear)
         block.forward_fn = recompute.wrap(block.forward_fn, recompute_mode)
         if compile_blocks:
             block.forward_fn = torch.compile(block.forward_fn)
-    if fp8_linear is not None and fp8_head and model.head is not None:
-        model.head.ctx = ctx.with_fp8(fp8_linear)
     if compile_blocks and model.head is not None:
         # Final norm, output projection and loss in one graph: the cross-entropy over the vocab
         # fuses into a few passes instead of materialising fp32 logits.
@@ -59,6 +65,15 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
     model.to_empty(device=device)
     init_parameters(model, seed)
     return model, ctx
+
+
+def _fp8_matmuls(layer_name: str, specs: dict[str, spec.ParamSpec]) -> int:
+    """The FP8 matmuls of one forward of a layer: one per matmul weight of a block (the
+    projections are never fused under FP8 backends that count them), one for the head."""
+    if layer_name == "head":
+        return 1
+    return sum(1 for name, param in specs.items()
+               if name.startswith(layer_name + ".") and precision.is_fp8_matmul_weight(param.axes))
 
 
 def enable_async_tp(mesh: DeviceMesh) -> None:

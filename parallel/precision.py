@@ -1,6 +1,10 @@
 """Precision backends behind the model context's `linear`: the plain matmul in the compute dtype
 (bf16 or fp32), or FP8 through torchao (tensorwise, rowwise, rowwise_with_gw_hp) or Transformer
-Engine. torchao and Transformer Engine are imported only when chosen.
+Engine (delayed, current, mxfp8, blockwise: parallel/te_linear.py). torchao and Transformer Engine
+are imported only when chosen.
+
+An FP8 backend gives each FP8 layer its matmul (`for_layers`: layer name -> `linear(x, weight)`,
+with `wrap_forward` around the layer's forward); torchao's is one stateless object for all.
 
 FP8 all-gather under FSDP (tensorwise only): the weights of the FP8 matmuls are wrapped in
 torchao's `WeightWithDynamicFloat8CastTensor` before `fully_shard`, so each rank casts its shard
@@ -11,7 +15,6 @@ those weights with one all-reduce (without it, each weight's all-gather reduces 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import sys
 
@@ -21,27 +24,28 @@ from torch.distributed.tensor import DTensor
 
 from models.errors import UserError
 from models.spec import ParamSpec
+from parallel import te_linear
 from parallel.mesh import MeshSpec
 
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-FP8_BACKENDS = ("torchao", "te")
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+FP8_RECIPES = {"torchao": TORCHAO_RECIPES, "te": te_linear.TE_RECIPES}
 
 
-def validate_fp8(recipe: str | None, backend: str, dims: list[int]) -> None:
-    """Before any memory: the recipe and backend exist, and every matmul dim FP8 sees is a
-    multiple of 16 (the FP8 GEMM's requirement)."""
+def validate_fp8(recipe: str | None, backend: str, dims: list[int], tokens: int) -> None:
+    """Before any memory: the recipe belongs to the backend, and every matmul dim FP8 sees (and,
+    for Transformer Engine, the tokens of each matmul) suits the FP8 kernels."""
     if recipe is None:
         return
-    if recipe not in FP8_RECIPES:
-        raise UserError(f"unknown --fp8 {recipe!r}; choose one of {', '.join(FP8_RECIPES)}")
-    if backend not in FP8_BACKENDS:
-        raise UserError(f"unknown --fp8-backend {backend!r}; choose one of {', '.join(FP8_BACKENDS)}")
+    if backend not in FP8_RECIPES:
+        raise UserError(f"unknown --fp8-backend {backend!r}; choose one of {', '.join(FP8_RECIPES)}")
+    if recipe not in FP8_RECIPES[backend]:
+        other = next((name for name, recipes in FP8_RECIPES.items() if recipe in recipes), None)
+        hint = (f"{recipe} is a recipe of --fp8-backend {other}" if other else f"unknown recipe {recipe!r}")
+        raise UserError(f"--fp8-backend {backend} takes --fp8 {'|'.join(FP8_RECIPES[backend])}; {hint}"
+                        + ("; per-tensor dynamic scaling is --fp8 current there" if recipe == "tensorwise" else ""))
     if backend == "te":
-        if importlib.util.find_spec("transformer_engine") is None:
-            raise UserError("--fp8-backend te needs Transformer Engine (pip install 'dtrain[te]'); "
-                            "or use --fp8-backend torchao")
-        raise UserError("--fp8-backend te: Transformer Engine layers keep their own tensor-parallel groups "
-                        "outside DTensor and are not wired into dtrain yet; use --fp8-backend torchao")
+        te_linear.validate(recipe, dims, tokens)
+        return
     odd = sorted({d for d in dims if d % 16})
     if odd:
         raise UserError(f"--fp8 needs every matmul dim to be a multiple of 16, but the model has {odd}; "
@@ -84,6 +88,25 @@ class Float8Linear:
 
     def enable_float8_all_gather(self) -> None:
         self.config = dataclasses.replace(self.config, enable_fsdp_float8_all_gather=True)
+
+    def for_layers(self, matmuls: dict[str, int]) -> dict[str, Float8Linear]:
+        return dict.fromkeys(matmuls, self)  # dynamic scaling: no state per layer
+
+    @staticmethod
+    def wrap_forward(forward):
+        return forward
+
+
+def fp8_backend(recipe: str | None, backend: str, device: torch.device, *, float8_all_gather: bool = True,
+                amax_groups: list | None = None, grad_scale: float = 1.0, amax_history_len: int = 1024):
+    """The FP8 backend of a run (None without --fp8): torchao's `Float8Linear`, or Transformer
+    Engine's `TELinear` (delayed scaling reduces amaxes over `amax_groups`; see te_linear.py)."""
+    if recipe is None:
+        return None
+    if backend == "te":
+        return te_linear.TELinear(recipe, device, amax_groups=amax_groups, grad_scale=grad_scale,
+                                  amax_history_len=amax_history_len)
+    return fp8_linear(recipe, device, float8_all_gather)
 
 
 def fp8_linear(recipe: str | None, device: torch.device, float8_all_gather: bool = True) -> Float8Linear | None:
@@ -130,7 +153,7 @@ def float8_all_gather_blocker(fp8_linear: Float8Linear, mesh_spec: MeshSpec, dev
 def float8_all_gather_weights(block: nn.Module, specs: dict[str, ParamSpec]) -> list[str]:
     """Names (global, `blocks.3.attn.wq`) of a block's weights that FSDP may gather in float8."""
     fp8 = getattr(block.ctx, "fp8_linear", None)
-    if fp8 is None:
+    if not isinstance(fp8, Float8Linear):
         return []
     names = []
     for name, param in block.named_parameters():
@@ -143,8 +166,9 @@ def float8_all_gather_weights(block: nn.Module, specs: dict[str, ParamSpec]) -> 
 def wrap_for_float8_all_gather(model: nn.Module, mesh_spec: MeshSpec, device_type: str) -> list[str]:
     """Before `fully_shard`: wraps the FP8 blocks' matmul weights so that FSDP all-gathers them
     in float8, when `float8_all_gather_blocker` allows it. Returns the wrapped names."""
+    # torchao's only: Transformer Engine quantizes the weight FSDP has gathered in bf16.
     fp8_linears = {id(b.ctx.fp8_linear): b.ctx.fp8_linear for b in model.blocks.values()
-                   if getattr(b.ctx, "fp8_linear", None) is not None}
+                   if isinstance(getattr(b.ctx, "fp8_linear", None), Float8Linear)}
     if not fp8_linears or any(float8_all_gather_blocker(f, mesh_spec, device_type) for f in fp8_linears.values()):
         return []
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor

@@ -24,6 +24,7 @@ LONG = ["--seq-len", "32768", "--micro-batch", "1"]
 PP = ["--mesh", "pp=2", "--micro-batch", "1"]
 # Packed documents (issue 20): synthetic documents of random lengths, attention within each.
 DOCUMENTS = ["--document-mask", "--synthetic-document-length"]
+TE = ["--fp8-backend", "te", "--fp8"]
 
 # name -> (processes, tools.bench arguments); "cpu" setups run without GPUs (a smoke test).
 # MoE on 2 GPUs: each mesh (and expert dispatch) with each way of accumulating 4 micro-batches,
@@ -74,6 +75,21 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                                               "--fsdp-reshard-after-forward", "never"]),
     "llama-8b tp=2 sp": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "tp=2", "--sequence-parallel",
                              "--recompute", "selective"]),
+    "llama-8b tp=2 sp fp8": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "tp=2",
+                                 "--sequence-parallel", "--recompute", "selective", "--fp8", "tensorwise"]),
+    # Transformer Engine's recipes (issue 19) beside the bf16 and torchao rows of the same setups.
+    **{f"llama-1b single te {recipe}": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile", *TE, recipe])
+       for recipe in ("delayed", "current")},
+    "llama-1b single te delayed head": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile", *TE, "delayed",
+                                            "--fp8-head"]),
+    **{f"llama-8b dp=2 te {recipe}": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2",
+                                          *TE, recipe]) for recipe in ("delayed", "current")},
+    "llama-8b tp=2 sp te delayed": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "tp=2",
+                                        "--sequence-parallel", "--recompute", "selective", *TE, "delayed"]),
+    **{f"mixtral-small dp=2,ep=2 allgather {name}": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile",
+                                                         "--mesh", "dp=2,ep=2", "--ep-dispatch", "allgather",
+                                                         "--global-batch", "16", *fp8])
+       for name, fp8 in (("fp8", ["--fp8", "tensorwise"]), ("te delayed", [*TE, "delayed"]))},
     **{f"mixtral-small {mesh}{name}{routing}": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile",
                                                       *mesh_args, "--global-batch", "16", *options, *balance])
        for mesh, mesh_args in _MOE_MESHES.items() for name, options in _MOE_OPTIONS.items()

@@ -34,9 +34,11 @@ class Checkpointer:
     `after_step()` at every step boundary, `finish()` after the last step and `close()` always."""
 
     def __init__(self, config: Config, runtime: Runtime, *, model_cfg: LlamaConfig, mesh_spec: MeshSpec,
-                 model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, scheduler):
+                 model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, scheduler, fp8_scaling=None):
         self.config, self.model_cfg, self.mesh_spec = config, model_cfg, mesh_spec
         self.optimizer, self.scheduler = optimizer, scheduler
+        # FP8 delayed scaling's amax histories and scales (parallel.delayed_scaling), or None.
+        self.fp8_scaling = fp8_scaling
         t = config.train
         self.run_dir = Path(t.run_dir)
         self.every, self.keep_last = t.checkpoint_every, t.keep_last
@@ -84,6 +86,8 @@ class Checkpointer:
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
         meta, has_optim = ckpt.check_checkpoint(path, self.model_cfg, shapes)
         ckpt.load_train_state(self.model, self.optimizer, path, rank=self.rank, has_optim=has_optim)
+        if self.fp8_scaling is not None:
+            self.fp8_scaling.load_state_dict(ckpt.load_fp8_state(path, list(self.fp8_scaling.layer_shapes())))
         if meta.get("scheduler"):
             self.scheduler.load_state_dict(meta["scheduler"])
         step = int(meta["step"])
@@ -181,7 +185,8 @@ class Checkpointer:
         started = time.perf_counter()
         use_async = self.async_group is not None and not wait
         future = ckpt.save_train_state(self.model, self.optimizer, tmp, rank=self.rank,
-                                       async_group=self.async_group if use_async else None)
+                                       async_group=self.async_group if use_async else None,
+                                       fp8_state=self.fp8_scaling.state_dict() if self.fp8_scaling else None)
         self.pending = ckpt.PendingSave(future, step, tmp, final, meta, started)
         self.last_saved = step
         if not use_async:

@@ -4,7 +4,8 @@ A checkpoint is `run_dir/checkpoints/step_000100/`:
 
     .metadata, __0_0.distcp, ...  torch DCP: parameters and optimizer state keyed by parameter
                                   name (`embed.weight`, `blocks.3.attn.wq`), so a load on
-                                  another mesh reshards
+                                  another mesh reshards; with FP8 delayed scaling, its amax
+                                  histories and scales per layer (`fp8.blocks.3.scale`)
     rng/rank_00000.pt             each rank's torch RNG states
     meta.json                     step, LR-scheduler state, model shape, resolved config, mesh
     COMPLETE                      written by rank 0 after every rank finished writing
@@ -45,6 +46,7 @@ CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 META = "meta.json"
 LATEST = "latest"  # the value of a bare --resume
+FP8 = "fp8"  # the state dict entry of FP8 delayed scaling's state
 _NAME = re.compile(r"^step_(\d+)$")
 # Names this module may leave behind when a process dies: a save in progress, a replaced one.
 _LEFTOVER = re.compile(r"^step_\d+(\.tmp|\.old)?$")
@@ -251,13 +253,17 @@ def as_one_module(parts: list[nn.Module]) -> nn.Module:
     return parts[0] if len(parts) == 1 else WholeModel(parts)
 
 
-def save_train_state(model, optimizer, path: Path, *, rank: int, async_group=None) -> Any:
+def save_train_state(model, optimizer, path: Path, *, rank: int, async_group=None,
+                     fp8_state: dict[str, torch.Tensor] | None = None) -> Any:
     """Every rank writes its shards into `path`; with `async_group` the write runs in the
-    background (after a copy to host memory) and the future is returned."""
+    background (after a copy to host memory) and the future is returned. `fp8_state` (the same
+    on every rank of a pipeline stage) is written once."""
     (path / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), path / "rng" / f"rank_{rank:05d}.pt")
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
+    if fp8_state:
+        state[FP8] = fp8_state
     if async_group is not None:
         return _upload_future(dcp.async_save(state, checkpoint_id=str(path), process_group=async_group))
     dcp.save(state, checkpoint_id=str(path))
@@ -287,6 +293,20 @@ def load_train_state(model, optimizer, path: Path, *, rank: int, has_optim: bool
     source = own if own.is_file() else rng_dir / "rank_00000.pt"
     if source.is_file():
         set_rng_state(torch.load(source, weights_only=True))
+
+
+def load_fp8_state(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The FP8 scaling entries among `names` that the checkpoint holds, in their saved shapes
+    (the caller adapts them); none for a checkpoint of a run without FP8 delayed scaling."""
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {}
+    for name in names:
+        entry = saved.get(f"{FP8}.{name}")
+        if entry is not None and hasattr(entry, "size"):
+            state[name] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    if state:
+        dcp.load({FP8: state}, checkpoint_id=str(path))
+    return state
 
 
 def all_ranks_max(values: list[int]) -> list[int]:

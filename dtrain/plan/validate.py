@@ -110,12 +110,20 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
     if t.fp8 is not None:
         if t.precision != "bf16":
             raise UserError(f"--fp8 runs the other ops in bf16; use --precision bf16, not {t.precision}")
+        if t.fp8_backend == "te" and t.fuse_projections:
+            raise UserError("--fuse-projections does not apply to --fp8-backend te (each projection is its own "
+                            "Transformer Engine matmul, with its own scales); drop one of them")
+        if t.fp8_amax_history < 1:
+            raise UserError(f"--fp8-amax-history {t.fp8_amax_history} must be >= 1")
         hd = model_cfg.head_dim
-        ffn = model_cfg.expert_ffn_dim if isinstance(model_cfg, MoEConfig) else model_cfg.ffn_dim
+        is_moe = isinstance(model_cfg, MoEConfig)
+        ffn = model_cfg.expert_ffn_dim if is_moe else model_cfg.ffn_dim
         split_dims = [model_cfg.num_heads * hd, model_cfg.num_kv_heads * hd, ffn]
         if t.fp8_head:
             split_dims.append(model_cfg.vocab_size)
-        precision.validate_fp8(t.fp8, t.fp8_backend, [model_cfg.dim] + [dim // tp for dim in split_dims])
+        # The rows of one matmul: a rank's micro-batch (its cp chunks); MoE layers split them over tp.
+        tokens = config.data.micro_batch * config.data.seq_len // (mesh_spec.cp * (tp if is_moe else 1))
+        precision.validate_fp8(t.fp8, t.fp8_backend, [model_cfg.dim] + [dim // tp for dim in split_dims], tokens)
     for name, path in (("--resume", t.resume if t.resume != "latest" else None), ("--init-from-hf", t.init_from_hf)):
         if path is not None and not Path(path).exists():
             raise UserError(f"{name} {path}: no such checkpoint directory")

@@ -1,0 +1,131 @@
+"""The GPU check of Transformer Engine FP8 (`--fp8-backend te`) in one command, on a machine with
+two GPUs and TE installed (../shared/te/README.md; source `.te/env.sh` before python starts):
+
+    python -m tools.te_check                                  # all three phases
+    python -m tools.te_check --phase bench --only llama-1b    # one phase, some setups
+
+tests   python -m pytest -m gpu tests/test_te_gpu.py
+bench   per setup, bf16, torchao FP8 and TE FP8 one after another (tools.bench_suite setups, appended
+        to --out); prints tok/s/GPU and TE's ratio to torchao's (the target: at least 1)
+curves  --curve-steps steps of llama-1b on the bundled corpus in bf16, torchao FP8 and TE delayed and
+        current scaling (two runs at a time, one per GPU); prints each FP8 curve's largest relative
+        loss difference from bf16 over all steps and from step 11 on (the target: within 1%)
+
+Each phase fits one 10-minute call except `bench` without --only: about 1.5 min per setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tools import bench_suite
+from tools.compare_runs import read_scalars
+
+# Per setup: bf16, torchao FP8, then TE's recipes; names from tools.bench_suite.SUITE.
+BENCH_GROUPS = {
+    "llama-1b single": ["llama-1b single", "llama-1b single fp8", "llama-1b single te delayed",
+                        "llama-1b single te current"],
+    "llama-1b single head": ["llama-1b single fp8 head", "llama-1b single te delayed head"],
+    "llama-8b dp=2": ["llama-8b dp=2", "llama-8b dp=2 fp8", "llama-8b dp=2 te delayed", "llama-8b dp=2 te current"],
+    "llama-8b tp=2 sp": ["llama-8b tp=2 sp", "llama-8b tp=2 sp fp8", "llama-8b tp=2 sp te delayed"],
+    "mixtral-small dp=2,ep=2": ["mixtral-small dp=2,ep=2 allgather", "mixtral-small dp=2,ep=2 allgather fp8",
+                                "mixtral-small dp=2,ep=2 allgather te delayed"],
+}
+CURVES = {"bf16": [], "torchao tensorwise": ["--fp8", "tensorwise"],
+          "te delayed": ["--fp8", "delayed", "--fp8-backend", "te"],
+          "te current": ["--fp8", "current", "--fp8-backend", "te"]}
+CURVE_ARGS = ["--model", "llama-1b", "--data", "bundled", "--seq-len", "2048", "--micro-batch", "4", "--lr", "3e-4",
+              "--warmup-steps", "20", "--seed", "0", "--compile"]
+
+
+def check_te_imports() -> None:
+    result = subprocess.run([sys.executable, "-c", "import transformer_engine.pytorch"], capture_output=True, text=True)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["?"])[-1]
+        raise SystemExit(f"error: Transformer Engine does not import ({last}); install it and source .te/env.sh "
+                         f"as ../shared/te/README.md says")
+
+
+def run_tests() -> bool:
+    print("== tests: python -m pytest -m gpu tests/test_te_gpu.py", flush=True)
+    return subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests/test_te_gpu.py"]).returncode == 0
+
+
+def run_bench(only: list[str], out: Path, budget: float) -> bool:
+    groups = {name: setups for name, setups in BENCH_GROUPS.items() if not only or any(o in name for o in only)}
+    names = [setup for setups in groups.values() for setup in setups]
+    print(f"== bench: {len(names)} setups, appended to {out}", flush=True)
+    outcomes = dict(bench_suite.run_suite(names, out, budget, timeout=600.0))
+    for group, setups in groups.items():
+        print(f"{group}:")
+        speeds = {}
+        for setup in setups:
+            found = re.match(r"([\d,]+) tok/s/GPU", outcomes[setup])
+            speeds[setup] = float(found.group(1).replace(",", "")) if found else None
+            print(f"  {setup:<48} {outcomes[setup]}")
+        torchao = next((speeds[s] for s in setups if s.endswith("fp8") or s.endswith("fp8 head")), None)
+        for setup in setups:
+            if " te " in setup and speeds[setup] and torchao:
+                print(f"  {setup}: {speeds[setup] / torchao:.3f} x torchao")
+    return all("failed" not in outcome for outcome in outcomes.values())
+
+
+def _curve(name: str, steps: int, gpu: int) -> tuple[str, Path, int]:
+    run_dir = Path("runs") / f"te-curve-{name.replace(' ', '-')}"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+    args = [*CURVE_ARGS, "--steps", str(steps), "--run-dir", str(run_dir), *CURVES[name]]
+    result = subprocess.run([sys.executable, "-m", "dtrain.run", *args], env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"  {name}: failed: {(result.stderr.strip().splitlines() or ['?'])[-1][:300]}", flush=True)
+    return name, run_dir, result.returncode
+
+
+def run_curves(steps: int) -> bool:
+    print(f"== curves: {steps} steps of llama-1b on the bundled corpus", flush=True)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = list(pool.map(lambda item: _curve(item[1], steps, item[0] % 2), enumerate(CURVES)))
+    if any(code != 0 for _, _, code in runs):
+        return False
+    losses = {name: read_scalars(run_dir)["train/loss"] for name, run_dir, _ in runs}
+    bf16 = losses["bf16"]
+    print(f"  bf16: loss {bf16[min(bf16)]:.4f} at step 1, {bf16[max(bf16)]:.4f} at step {max(bf16)}")
+    for name, curve in losses.items():
+        if name == "bf16":
+            continue
+        diffs = {step: abs(curve[step] - bf16[step]) / bf16[step] for step in sorted(set(curve) & set(bf16))}
+        later = [d for step, d in diffs.items() if step > 10]
+        worst = max(diffs, key=diffs.get)
+        print(f"  {name}: largest relative loss difference from bf16 {100 * diffs[worst]:.2f}% (step {worst}), "
+              f"{100 * max(later):.2f}% from step 11, final {100 * diffs[max(diffs)]:.2f}%")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.te_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--phase", nargs="+", choices=("tests", "bench", "curves"), default=["tests", "bench", "curves"])
+    parser.add_argument("--only", nargs="*", default=[], help="bench: only the groups whose name contains one of these "
+                        f"({', '.join(BENCH_GROUPS)})")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results.jsonl"))
+    parser.add_argument("--budget", type=float, default=float("inf"), help="bench: seconds after which no setup starts")
+    parser.add_argument("--curve-steps", type=int, default=200)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    check_te_imports()
+    ok = True
+    if "tests" in args.phase:
+        ok &= run_tests()
+    if "bench" in args.phase:
+        ok &= run_bench(args.only, args.out, args.budget)
+    if "curves" in args.phase:
+        ok &= run_curves(args.curve_steps)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
