@@ -1,0 +1,136 @@
+"""One run per run directory: a second run stops in one line and the first trains on; a lock left
+by a run that is gone (dead pid, an earlier incarnation of this job, a host that stopped beating)
+is taken over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from dtrain.resilience import run_lock
+from dtrain.resilience.run_lock import LOCK, RunDirLock, hold_run_dir
+from models.errors import UserError
+from tests.launch import REPO, TINY_ARGS, run_cli
+
+
+def _holder(tmp_path, **fields) -> dict:
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": None, "job": None, "since": 0.0, "beat": 0,
+              **fields}
+    (tmp_path / LOCK).write_text(json.dumps(holder))
+    return holder
+
+
+@pytest.fixture
+def no_job(monkeypatch):
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_live_process_keeps_the_lock_and_a_dead_or_reused_pid_loses_it(tmp_path, no_job, caplog):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _holder(tmp_path, pid=sleeper.pid, started=run_lock._start_time(sleeper.pid))
+        with pytest.raises(UserError, match=rf"is in use by another run \(pid {sleeper.pid} on host "):
+            RunDirLock(tmp_path).acquire()
+        # The same pid with another start time is another process now: the holder is gone.
+        _holder(tmp_path, pid=sleeper.pid, started="1")
+        lock = RunDirLock(tmp_path)
+        lock.acquire()
+        assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+        lock.release()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    _holder(tmp_path, pid=sleeper.pid)  # reaped: dead
+    with caplog.at_level("INFO", logger="dtrain"):
+        lock = RunDirLock(tmp_path)
+        lock.acquire()
+    assert f"from a run that is gone (pid {sleeper.pid}" in caplog.text and "its process has ended" in caplog.text
+    lock.release()
+    assert not (tmp_path / LOCK).exists()
+
+
+def test_a_restart_of_the_same_job_on_another_host_takes_the_lock_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    _holder(tmp_path, host="node-17", pid=1, job="slurm 4242.0")
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    lock.release()
+    monkeypatch.setenv("SLURM_STEP_ID", "1")  # another srun step of the allocation: another run
+    monkeypatch.setattr(run_lock, "STALE_S", 0.4)
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.1)
+    holder = _holder(tmp_path, host="node-17", pid=1, job="slurm 4242.0")
+    stop = threading.Event()
+
+    def beat():  # the other host's run, alive
+        while not stop.wait(0.05):
+            holder["beat"] += 1
+            (tmp_path / LOCK).write_text(json.dumps(holder))
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        with pytest.raises(UserError, match="pid 1 on host node-17, job slurm 4242.0"):
+            RunDirLock(tmp_path).acquire()
+    finally:
+        stop.set()
+        beating.join()
+    started = time.monotonic()
+    lock = RunDirLock(tmp_path)
+    lock.acquire()  # no heartbeat for STALE_S: gone
+    assert time.monotonic() - started >= 0.4
+    lock.release()
+
+
+def test_the_holder_beats_and_a_refusal_reaches_every_rank_before_the_directory_is_touched(tmp_path, no_job,
+                                                                                            monkeypatch):
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    with hold_run_dir(tmp_path, is_main=True):
+        time.sleep(0.3)
+        held = json.loads((tmp_path / LOCK).read_text())
+        assert held["pid"] == os.getpid() and held["beat"] >= 2
+    assert not (tmp_path / LOCK).exists()
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    with pytest.raises(UserError, match="is not writable"):
+        with hold_run_dir(not_a_directory / "run", is_main=True):
+            pass
+
+
+@pytest.mark.slow
+def test_a_second_run_in_the_same_directory_stops_in_one_line_and_the_first_trains_on(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*TINY_ARGS, "--steps", "1000", "--run-dir", str(run_dir), "--checkpoint-every", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    first = subprocess.Popen([sys.executable, "-m", "dtrain.run", *args], cwd=REPO, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = []
+    try:
+        for line in first.stdout:
+            log.append(line)
+            if "saved checkpoint" in line:
+                break
+        second = run_cli([*args, "--resume"])
+        err = second.stderr.strip()
+        assert second.returncode == 2 and "\n" not in err, second.stdout[-2000:] + err
+        assert f"is in use by another run (pid {first.pid} on host {socket.gethostname()}" in err, err
+        assert "step 1/" not in second.stdout
+        first.send_signal(signal.SIGTERM)  # the first run saves and stops cleanly, its files intact
+        log.extend(first.stdout)
+        assert first.wait(timeout=120) == 0, "".join(log)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.wait()
+    assert "received SIGTERM" in "".join(log) and "Traceback" not in "".join(log), "".join(log)
+    assert not (run_dir / LOCK).exists()
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
