@@ -36,8 +36,8 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 class Trainer:
     """Builds everything a run needs (data first, so bad data fails before model memory), then
-    steps. `step` counts completed optimizer steps; the data of step s is a pure function of
-    (seed, s), so the step is also the data position."""
+    steps. `step` counts completed optimizer steps; `consumed_samples` is the data position (step x
+    global batch, unless a resumed run changed --global-batch)."""
 
     def __init__(self, config: Config, runtime: Runtime):
         self.config, self.runtime = config, runtime
@@ -72,9 +72,10 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t.steps, config.optim)
         self.checkpointer = Checkpointer(config, runtime, model_cfg=self.model_cfg, mesh_spec=self.mesh_spec,
                                          model_parts=self.model_parts, optimizer=self.optimizer,
-                                         scheduler=self.scheduler)
+                                         scheduler=self.scheduler, run_state=self._run_state)
         # --resume's checkpoint (any mesh), else --init-from-hf's weights; the step to start at.
-        self.step = self.checkpointer.restore()
+        resumed = self.checkpointer.restore()
+        self.step, self.consumed_samples = resumed.step, resumed.consumed_samples
 
         self.dp_rank = (self.mesh.get_local_rank("dp_replicate") * self.mesh_spec.dp_shard
                         + self.mesh.get_local_rank("dp_shard"))
@@ -217,6 +218,10 @@ class Trainer:
             self.router_stats.reset()  # evaluation routing is not training statistics
         return loss_sum.item() / (num_steps * d.global_batch * d.seq_len)
 
+    def _run_state(self) -> dict:
+        """What a checkpoint keeps of the run beside the model: the data position."""
+        return {"consumed_samples": self.consumed_samples, "global_batch": self.config.data.global_batch}
+
     def launch_step(self) -> "LaunchedStep":
         """Queues one whole step (forward, backward, clipping, update) on the device and returns
         without waiting for it: its loss and norms are read back later (`_read_back`), while the
@@ -225,7 +230,8 @@ class Trainer:
         launched_at = time.perf_counter()
         self.faults.at_step_start(self.step + 1)
         micro_batches = self.dataset.micro_batches(
-            self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size
+            self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size,
+            first_sample=self.consumed_samples,
         )
         loss_sum = self.forward_backward(micro_batches, self.faults.loss_factor(self.step + 1))
         rescale_expert_grads_(self.expert_params, self.plan, self.tp_group)
@@ -240,6 +246,7 @@ class Trainer:
             dist.all_reduce(loss_sum, group=group)
         router_stats = self._after_moe_step()
         self.step += 1
+        self.consumed_samples += d.global_batch
         return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats)
 
     def _read_back(self, launched: "LaunchedStep") -> dict[str, float]:
