@@ -112,6 +112,12 @@ class TrainArgs:
                                 const="latest")
     init_from_hf: str | None = _field(None, "start from the weights of a Hugging Face Llama or Mixtral checkpoint "
                                             "directory (config.json + safetensors)")
+    max_skipped_steps: int = _field(5, "stop with an error once this many steps in a row had their update skipped "
+                                       "(non-finite loss or gradient norm, or a loss spike)")
+    skip_spikes: float = _field(0.0, "skip the update of a step whose loss is above K times the median loss of the "
+                                     "last --spike-window updated steps (0: off)")
+    spike_window: int = _field(32, "--skip-spikes: how many recent steps' losses the median is taken over; spikes "
+                                   "are looked for once that many steps were updated")
     eval_every: int = _field(0, "steps between evaluations on the validation split, logged as val/loss (0: off)")
     eval_steps: int = _field(10, "global batches per evaluation (capped at one pass over the validation split)")
 

@@ -39,6 +39,9 @@ def _check_sizes(config: Config) -> None:
                         ("--eval-every", t.eval_every)):
         if value < 0:
             raise UserError(f"{name} {value} must be >= 0")
+    if t.max_skipped_steps < 1 or t.spike_window < 1 or t.skip_spikes < 0 or 0 < t.skip_spikes <= 1:
+        raise UserError(f"--max-skipped-steps {t.max_skipped_steps} and --spike-window {t.spike_window} must be >= 1, "
+                        f"--skip-spikes {t.skip_spikes} 0 (off) or above 1 (a factor of the median loss)")
     if config.optim.warmup_steps < 0 or config.optim.lr <= 0:
         raise UserError("--lr must be > 0 and --warmup-steps >= 0")
 
