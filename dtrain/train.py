@@ -21,7 +21,7 @@ def train(config: Config, before_step=None) -> list[dict[str, float]]:
     run_dir = Path(config.train.run_dir)
     try:
         # The lock first: a second run in this directory stops before it writes anything there.
-        with hold_run_dir(run_dir, runtime.is_main), log_file(run_dir / "train.log", runtime.is_main):
+        with hold_run_dir(run_dir, runtime.rank, runtime.world_size), log_file(run_dir / "train.log", runtime.is_main):
             scalars = Trainer(config, runtime).fit(before_step)
     except BaseException:
         distributed.shutdown(after_error=True)

@@ -94,7 +94,7 @@ def test_a_restart_of_the_same_job_on_another_host_takes_the_lock_back(tmp_path,
 def test_the_holder_beats_and_a_refusal_reaches_every_rank_before_the_directory_is_touched(tmp_path, no_job,
                                                                                             monkeypatch):
     monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
-    with hold_run_dir(tmp_path, is_main=True):
+    with hold_run_dir(tmp_path, rank=0, world_size=1):
         time.sleep(0.3)
         held = json.loads((tmp_path / LOCK).read_text())
         assert held["pid"] == os.getpid() and held["beat"] >= 2
@@ -102,7 +102,7 @@ def test_the_holder_beats_and_a_refusal_reaches_every_rank_before_the_directory_
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("")
     with pytest.raises(UserError, match="is not writable"):
-        with hold_run_dir(not_a_directory / "run", is_main=True):
+        with hold_run_dir(not_a_directory / "run", rank=0, world_size=1):
             pass
 
 

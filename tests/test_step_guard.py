@@ -104,6 +104,12 @@ def test_too_many_skips_in_a_row_stop_with_one_line():
     assert guard.skipped_steps == [1, 3, 4]
 
 
+@pytest.mark.parametrize("flags", [["--max-skipped-steps", "0"], ["--skip-spikes", "0.5"], ["--spike-window", "0"]])
+def test_flags_that_cannot_work_are_refused_before_any_work(flags):
+    with pytest.raises(UserError, match=r"--max-skipped-steps .* must be >= 1, --skip-spikes .* 0 \(off\) or above 1"):
+        validate(with_global_batch(load_config([*TINY_ARGS, *flags]), 1), 1)
+
+
 def _snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
     state = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     names = {p: name for name, p in trainer.model.named_parameters()}

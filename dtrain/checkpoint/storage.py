@@ -202,14 +202,19 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_meta(path: Path, meta: dict[str, Any]) -> None:
+    """meta.json, then the COMPLETE marker that holds its checksum."""
+    text = json.dumps(meta, indent=1)
+    _write_synced(path / META, text)
+    _write_synced(path / COMPLETE, f"{meta['step']}\n{META} crc32 {integrity.text_checksum(text)}\n")
+
+
 def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     """Rank 0, after every rank finished writing into `tmp`: the metadata, the marker (with the
     metadata's checksum), the rename."""
     if "files" not in meta:  # a writer in one process (an import): hash everything here
         meta = {**meta, "files": integrity.manifest(tmp, [])}
-    text = json.dumps(meta, indent=1)
-    _write_synced(tmp / META, text)
-    _write_synced(tmp / COMPLETE, f"{meta['step']}\n{META} crc32 {integrity.text_checksum(text)}\n")
+    write_meta(tmp, meta)
     old = final.with_name(final.name + ".old")
     if final.exists():  # a run resumed from an earlier step saves this step again
         shutil.rmtree(old, ignore_errors=True)

@@ -131,7 +131,7 @@ class RunDirLock:
             return {}  # unreadable: no holder can be named or watched
 
     def _write(self) -> None:
-        tmp = self.path.with_name(f".{LOCK}.{self.me['pid']}.tmp")
+        tmp = self.path.with_name(f".{LOCK}.{self.me['host']}.{self.me['pid']}.tmp")
         tmp.write_text(json.dumps(self.me))
         os.replace(tmp, self.path)
 
@@ -168,17 +168,17 @@ class RunDirLock:
 
 
 @contextlib.contextmanager
-def hold_run_dir(run_dir: Path, is_main: bool):
+def hold_run_dir(run_dir: Path, rank: int, world_size: int):
     """Rank 0 holds the run directory's lock for the block; every rank raises rank 0's refusal,
     so that all of them stop before touching the directory."""
-    lock = RunDirLock(run_dir) if is_main else None
+    lock = RunDirLock(run_dir) if rank == 0 else None
     refusal = None
     if lock is not None:
         try:
             lock.acquire()
         except UserError as error:
             refusal, lock = str(error), None
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size > 1:
         box = [refusal]
         dist.broadcast_object_list(box, src=0)
         refusal = box[0]
