@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from dtrain import distributed
-from dtrain.checkpoint import integrity
+from dtrain.checkpoint import integrity, resume
 from dtrain.checkpoint import storage as ckpt
-from dtrain.config import OptimArgs, load_config
+from dtrain.config import OptimArgs, load_config, to_toml
 from dtrain.data import TokenDataset
 from dtrain.optim import lr_multiplier
 from dtrain.plan.validate import validate, with_global_batch
@@ -84,6 +84,14 @@ def test_the_data_stream_continues_at_the_consumed_sample_under_another_global_b
     two_old_batches = torch.cat([data.micro_batches(step, 8, 8, 0, 1)[0].inputs for step in (3, 4)])
     assert torch.equal(continued, two_old_batches)
     assert not torch.equal(data.micro_batches(3, 16, 16, 0, 1)[0].inputs, two_old_batches)  # step x 16 would skip
+
+
+def test_a_resume_names_only_the_settings_that_changed_not_those_the_old_run_left_unset_or_lacked():
+    saved = to_toml(load_config([*TINY_ARGS, "--lr", "2e-3"]))
+    # An older run's config.toml without the skip flags; None-valued flags are never written.
+    saved = "\n".join(line for line in saved.splitlines() if not line.startswith(("max_skipped_steps", "skip_spikes")))
+    assert resume.changed_settings({"config": saved}, load_config([*TINY_ARGS, "--resume"])) == [
+        "optim.lr 0.002 -> 0.001"]
 
 
 @pytest.mark.slow

@@ -54,11 +54,13 @@ def changed_settings(meta: dict[str, Any], config: Config) -> list[str]:
     saved = saved_config(meta)
     if not saved:
         return []
+    # A key the saved config lacks was unset (None) there, or did not exist yet: its default then.
+    defaults = Config().to_dict()
     changes = []
     for group, values in config.to_dict().items():
         for key, value in values.items():
             name = f"{group}.{key}"
-            before = saved.get(group, {}).get(key)
+            before = saved.get(group, {}).get(key, defaults[group][key])
             if name not in _NOT_REPORTED and before != value:
                 changes.append(f"{name} {before} -> {value}")
     return changes
