@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,9 +15,10 @@ import time
 import pytest
 
 from dtrain.resilience import run_lock
-from dtrain.resilience.run_lock import LOCK, RunDirLock, hold_run_dir
+from dtrain.resilience.run_lock import LOCK, RunDirLock, agree, take
 from models.errors import UserError
-from tests.launch import REPO, TINY_ARGS, run_cli
+from dtrain.run import main
+from tests.launch import TINY_ARGS
 
 
 def _holder(tmp_path, **fields) -> dict:
@@ -94,43 +94,47 @@ def test_a_restart_of_the_same_job_on_another_host_takes_the_lock_back(tmp_path,
 def test_the_holder_beats_and_a_refusal_reaches_every_rank_before_the_directory_is_touched(tmp_path, no_job,
                                                                                             monkeypatch):
     monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
-    with hold_run_dir(tmp_path, rank=0, world_size=1):
-        time.sleep(0.3)
-        held = json.loads((tmp_path / LOCK).read_text())
-        assert held["pid"] == os.getpid() and held["beat"] >= 2
+    claim = agree(tmp_path, rank=0, world_size=1)
+    time.sleep(0.3)
+    held = json.loads((tmp_path / LOCK).read_text())
+    assert held["pid"] == os.getpid() and held["beat"] >= 2
+    claim.release()
+    claim.release()  # the run's end and the command's end both release it
     assert not (tmp_path / LOCK).exists()
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("")
+    refused = take(not_a_directory / "run")
+    assert not refused.held and "is not writable" in refused.refusal
     with pytest.raises(UserError, match="is not writable"):
-        with hold_run_dir(not_a_directory / "run", rank=0, world_size=1):
-            pass
+        agree(not_a_directory / "run", rank=0, world_size=1, claim=refused)
 
 
-@pytest.mark.slow
-def test_a_second_run_in_the_same_directory_stops_in_one_line_and_the_first_trains_on(tmp_path):
+def _tree(directory) -> dict[str, float]:
+    return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in sorted(directory.rglob("*"))}
+
+
+def test_a_second_run_in_the_same_directory_stops_in_one_line_before_touching_it(tmp_path, no_job, capsys):
+    """The first run (its rank 0 a live process here) is saving step 4 and has a failure record
+    of an earlier attempt: the second run, resumed or fresh, changes neither (without the lock it
+    deletes the in-flight step_N.tmp and sets the failure record aside)."""
     run_dir = tmp_path / "run"
-    args = [*TINY_ARGS, "--steps", "1000", "--run-dir", str(run_dir), "--checkpoint-every", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    first = subprocess.Popen([sys.executable, "-m", "dtrain.run", *args], cwd=REPO, env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    log = []
+    in_flight = run_dir / "checkpoints" / "step_000004.tmp"
+    in_flight.mkdir(parents=True)
+    (in_flight / "__0_0.distcp").write_bytes(b"being written")
+    (run_dir / "failures").mkdir()
+    (run_dir / "failures" / "rank_00000.jsonl").write_text("{}\n")
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        for line in first.stdout:
-            log.append(line)
-            if "saved checkpoint" in line:
-                break
-        second = run_cli([*args, "--resume"])
-        err = second.stderr.strip()
-        assert second.returncode == 2 and "\n" not in err, second.stdout[-2000:] + err
-        assert f"is in use by another run (pid {first.pid} on host {socket.gethostname()}" in err, err
-        assert "step 1/" not in second.stdout
-        first.send_signal(signal.SIGTERM)  # the first run saves and stops cleanly, its files intact
-        log.extend(first.stdout)
-        assert first.wait(timeout=120) == 0, "".join(log)
+        _holder(run_dir, pid=first.pid, started=run_lock._start_time(first.pid))
+        before = _tree(run_dir)
+        for extra in ([], ["--resume"]):
+            code = main([*TINY_ARGS, "--run-dir", str(run_dir), *extra])
+            out, err = capsys.readouterr()
+            assert code == 2 and err.count("\n") == 1, err
+            assert f"dtrain: error: --run-dir {run_dir} is in use by another run (pid {first.pid} on host " in err
+            assert "step 1/" not in out
+            after = {name: mtime for name, mtime in _tree(run_dir).items() if not name.startswith(".run.lock")}
+            assert after == before
     finally:
-        if first.poll() is None:
-            first.kill()
+        first.kill()
         first.wait()
-    assert "received SIGTERM" in "".join(log) and "Traceback" not in "".join(log), "".join(log)
-    assert not (run_dir / LOCK).exists()
-    assert not list((run_dir / "checkpoints").glob("*.tmp"))

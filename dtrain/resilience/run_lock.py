@@ -1,9 +1,16 @@
 """One run per run directory: rank 0 holds `RUN_DIR/run.lock` (host, pid, job) while it trains.
 
-    with hold_run_dir(run_dir, runtime):    # every rank; rank 0 takes the lock, all agree
+    claim = take(run_dir)                            # rank 0, first of all (no torch needed)
+    ...                                              # the failure record, where claim.held
+    claim = agree(run_dir, rank, world_size, claim)  # every rank, once the process group is up
+    try:
         train()
+    finally:
+        claim.release()                              # rank 0 (the others' claim is None)
 
-A second run in the same directory stops in one line before it writes anything there. A lock
+A second run in the same directory stops in one line on every rank before it writes anything
+there: rank 0 takes the lock before anything else touches the directory, and every rank raises
+its refusal once the process group can carry it. A lock
 whose holder is gone is taken over, saying so:
 
 - on this host, its pid is dead, or is another process now (its start time differs);
@@ -27,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-import torch.distributed as dist
+import attrs
 
 from models.errors import UserError
 
@@ -84,9 +91,11 @@ class RunDirLock:
                    "job": job_id(), "since": time.time(), "beat": 0}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self.created = False  # the run directory, by `acquire`
 
     def acquire(self) -> None:
         try:
+            self.created = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with self._decision():
                 holder = self._read()
@@ -110,17 +119,25 @@ class RunDirLock:
         with contextlib.suppress(OSError):
             if self._is_mine(self._read()):
                 self.path.unlink()
+            # A run refused before any work (bad flags) leaves no directory that it made.
+            guard = self._guard_path()
+            if self.created and [p for p in self.run_dir.iterdir() if p != guard] == []:
+                guard.unlink(missing_ok=True)
+                self.run_dir.rmdir()
 
     @contextlib.contextmanager
     def _decision(self):
         """Two runs starting together take turns at reading and writing the lock (flock; where the
         file system has no locks, the lock file alone)."""
-        with open(self.run_dir / f".{LOCK}.guard", "a") as guard:
+        with open(self._guard_path(), "a") as guard:
             try:
                 fcntl.flock(guard, fcntl.LOCK_EX)
             except OSError:
                 pass
             yield
+
+    def _guard_path(self) -> Path:
+        return self.run_dir / f".{LOCK}.guard"
 
     def _read(self) -> dict | None:
         try:
@@ -167,25 +184,50 @@ class RunDirLock:
                 self._write()
 
 
-@contextlib.contextmanager
-def hold_run_dir(run_dir: Path, rank: int, world_size: int):
-    """Rank 0 holds the run directory's lock for the block; every rank raises rank 0's refusal,
-    so that all of them stop before touching the directory."""
-    lock = RunDirLock(run_dir) if rank == 0 else None
-    refusal = None
-    if lock is not None:
-        try:
-            lock.acquire()
-        except UserError as error:
-            refusal, lock = str(error), None
+@attrs.frozen
+class Claim:
+    """Rank 0's outcome of taking the lock: the lock it holds, or why it may not."""
+
+    lock: RunDirLock | None = None
+    refusal: str | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.lock is not None
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+def take(run_dir: Path) -> Claim:
+    """Rank 0 takes the run directory's lock; a refusal is kept to be raised on every rank."""
+    lock = RunDirLock(run_dir)
+    try:
+        lock.acquire()
+    except UserError as error:
+        return Claim(refusal=str(error))
+    return Claim(lock=lock)
+
+
+def agree(run_dir: Path, rank: int, world_size: int, claim: Claim | None = None) -> Claim | None:
+    """Every rank, once the process group is up: rank 0's claim (taken here when None) if this run
+    holds the directory, else rank 0's refusal raised on every rank, so that all of them stop
+    before touching the directory. The caller releases the claim when the run ends."""
+    if rank == 0 and claim is None:
+        claim = take(run_dir)
+    refusal = claim.refusal if claim is not None else None
     if world_size > 1:
+        import torch.distributed as dist
+
         box = [refusal]
-        dist.broadcast_object_list(box, src=0)
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except BaseException:
+            if claim is not None:
+                claim.release()
+            raise
         refusal = box[0]
     if refusal is not None:
         raise UserError(refusal)
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
+    return claim
