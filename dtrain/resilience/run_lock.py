@@ -6,12 +6,13 @@
     try:
         train()
     finally:
-        claim.release()                              # rank 0 (the others' claim is None)
+        if claim is not None:                        # rank 0's
+            claim.release()
 
 A second run in the same directory stops in one line on every rank before it writes anything
 there: rank 0 takes the lock before anything else touches the directory, and every rank raises
-its refusal once the process group can carry it. A lock
-whose holder is gone is taken over, saying so:
+its refusal once the process group can carry it. A lock whose holder is gone is taken over,
+saying so:
 
 - on this host, its pid is dead, or is another process now (its start time differs);
 - on another host, it belongs to this job (the same SLURM job and step, or the same torchrun
