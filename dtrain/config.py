@@ -130,6 +130,12 @@ class TrainArgs:
                                         "collectives wait 20 s longer (0: no hang detection)")
     straggler_every: int = _field(50, "steps between straggler checks (each rank's forward compute time, logged as "
                                       "perf/straggler_ratio; a rank that stays slow is named) (0: off)")
+    max_skipped_steps: int = _field(5, "stop with an error once this many steps in a row had their update skipped "
+                                       "(non-finite loss or gradient norm, or a loss spike)")
+    skip_spikes: float = _field(0.0, "skip the update of a step whose loss is above K times the median loss of the "
+                                     "last --spike-window updated steps (0: off)")
+    spike_window: int = _field(32, "--skip-spikes: how many recent steps' losses the median is taken over; spikes "
+                                   "are looked for once that many steps were updated")
     eval_every: int = _field(0, "steps between evaluations on the validation split, logged as val/loss (0: off)")
     eval_steps: int = _field(10, "global batches per evaluation (capped at one pass over the validation split)")
 

@@ -104,4 +104,6 @@ def format_line(step: int, total_steps: int, s: dict[str, float]) -> str:
     if "perf/mfu" in s:
         parts.append(f"MFU {s['perf/mfu']:.1f}%")
     parts.append(f"mem {s['mem/peak_gb']:.2f} GB")
+    if s.get("train/skipped"):
+        parts.append("update skipped")
     return " | ".join(parts)

@@ -22,11 +22,10 @@ def build_optimizer(model_parts: list[nn.Module], args: OptimArgs) -> torch.opti
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    on_cuda = next(model_parts[0].parameters()).device.type == "cuda"
-    # The fused kernel runs the whole update in a few launches on GPU; foreach elsewhere.
+    # The fused kernel runs the whole update in a few launches, takes the clipping scale as
+    # `grad_scale` and skips a bad step on the device when given `found_inf` (on GPUs and CPUs).
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
-        fused=on_cuda, foreach=not on_cuda,
+        [g for g in groups if g["params"]], lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps, fused=True,
     )
 
 

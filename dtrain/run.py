@@ -21,20 +21,25 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stdout)
     logging.getLogger("dtrain").setLevel(level)
     from dtrain.config import load_config
-    from dtrain.resilience import failures
+    from dtrain.resilience import failures, run_lock
 
+    claim = None
     try:
         config = load_config(argv)
         if rank == 0 and not config.parallel.print_plan:
-            # Before torch is imported: a restart that is refused costs a second, not a start-up.
-            failures.check_start(config.train.run_dir)
+            # The run directory's lock before anything touches the directory; a refusal reaches
+            # every rank in train(). Before torch is imported: a restart that is refused costs a
+            # second, not a start-up.
+            claim = run_lock.take(config.train.run_dir)
+            if claim.held:
+                failures.check_start(config.train.run_dir)
         from dtrain.plan.describe import print_plan
         from dtrain.train import train
 
         if config.parallel.print_plan:
             print_plan(config)
         else:
-            train(config)
+            train(config, claim=claim)
     except UserError as error:
         # A user's mistake: one line that says what to change, no traceback.
         print(f"dtrain: error: {error}", file=sys.stderr)
@@ -49,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             print("dtrain: interrupted: stopped without saving; continue from the latest checkpoint with "
                   "--resume", file=sys.stderr)
         return 130
+    finally:
+        if claim is not None:
+            claim.release()
     return 0
 
 

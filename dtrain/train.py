@@ -1,5 +1,6 @@
-"""A training run from start to end: the process group, the run's log file, hang detection, the
-trainer, and the shutdown that follows an error (recorded in the run directory for restarts)."""
+"""A training run from start to end: the process group, the run directory's lock and log file,
+hang detection, the trainer, and the shutdown that follows an error (recorded in the run directory
+for restarts, once this run holds it)."""
 
 from __future__ import annotations
 
@@ -12,20 +13,24 @@ from dtrain import distributed
 from dtrain.config import Config
 from dtrain.metrics import log_file
 from dtrain.plan.validate import validate, with_global_batch
-from dtrain.resilience import failures
+from dtrain.resilience import failures, run_lock
 from dtrain.resilience.heartbeat import Heartbeat, open_board
 from dtrain.resilience.watchdog import GRACE_S, Watchdog
 from dtrain.trainer import Trainer
 
 
-def train(config: Config, before_step=None) -> list[dict[str, float]]:
-    """Runs the configured training; returns every step's scalars (the loss on every rank)."""
+def train(config: Config, before_step=None, claim: run_lock.Claim | None = None) -> list[dict[str, float]]:
+    """Runs the configured training; returns every step's scalars (the loss on every rank).
+    `claim`: rank 0's lock of the run directory when the caller took it (`run_lock.take`)."""
     config = with_global_batch(config, distributed.world_size_from_env())
     validate(config, distributed.world_size_from_env())
     t = config.train
     run_dir = Path(t.run_dir)
     watching = t.step_timeout > 0
     beat, watchdog = Heartbeat(int(os.environ.get("RANK", "0"))), None
+    # A failure is recorded in the run directory only where this run holds it: by rank 0's claim
+    # before the process group exists, by every rank once they agree on the lock.
+    holds_run_dir = claim is not None and claim.held
     # Until the checkpointer takes SIGTERM over (it saves at the next step boundary), and once it
     # gives it back, a SIGTERM ends the run through the error path: the failure is recorded.
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated) if _in_main_thread() else None
@@ -33,6 +38,9 @@ def train(config: Config, before_step=None) -> list[dict[str, float]]:
         # Collectives wait GRACE_S longer than the watchdog's limit, so that the watchdog names
         # the ranks the job waits for before a collective times out.
         runtime = distributed.init_process_group(t.init_timeout + (GRACE_S if watching else 0.0), run_dir)
+        # The lock before anything else: a second run in this directory stops before writing there.
+        claim = run_lock.agree(run_dir, runtime.rank, runtime.world_size, claim)
+        holds_run_dir = True
         if watching:
             watchdog = Watchdog(beat, open_board(runtime.rank, runtime.world_size, fallback=True), run_dir=run_dir,
                                 world_size=runtime.world_size, init_timeout=t.init_timeout,
@@ -41,7 +49,7 @@ def train(config: Config, before_step=None) -> list[dict[str, float]]:
         with log_file(run_dir / "train.log", runtime.is_main):
             scalars = Trainer(config, runtime, heartbeat=beat, watchdog=watchdog).fit(before_step)
     except BaseException as error:
-        failure = _record_failure(error, run_dir, beat, watchdog)
+        failure = _record_failure(error, run_dir, beat, watchdog) if holds_run_dir else None
         distributed.shutdown(after_error=True)
         if failure is not None:
             raise failure from error
@@ -51,6 +59,8 @@ def train(config: Config, before_step=None) -> list[dict[str, float]]:
             watchdog.close()
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
+        if claim is not None:
+            claim.release()  # after the failure is recorded: the directory is ours until then
     distributed.shutdown()
     return scalars
 

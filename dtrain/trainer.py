@@ -23,11 +23,11 @@ from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.plan.validate import build_plan, validate
 from dtrain.resilience.faults import FaultInjector
 from dtrain.resilience.heartbeat import Heartbeat
+from dtrain.resilience.step_guard import Decision, StepGuard
 from dtrain.resilience.stop_request import StopRequest
 from dtrain.resilience.stragglers import Stragglers
 from dtrain.resilience.watchdog import Watchdog
 from models import families, flops, llama, masking, moe, spec
-from models.errors import UserError
 from parallel import context_parallel, pipeline, precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_
 from parallel.delayed_scaling import amax_reduction_dims
@@ -43,9 +43,9 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 class Trainer:
     """Builds everything a run needs (data first, so bad data fails before model memory), then
-    steps. `step` counts completed optimizer steps; the data of step s is a pure function of
-    (seed, s), so the step is also the data position. `heartbeat` is told where the run is;
-    `watchdog` (hang detection) is told when steps and saves begin and end."""
+    steps. `step` counts optimizer steps, skipped ones included; `consumed_samples` is the data
+    position (step x global batch, unless a resumed run changed --global-batch). `heartbeat` is
+    told where the run is; `watchdog` (hang detection) is told when steps and saves begin and end."""
 
     def __init__(self, config: Config, runtime: Runtime, heartbeat: Heartbeat | None = None,
                  watchdog: Watchdog | None = None):
@@ -83,11 +83,17 @@ class Trainer:
         self.refresh_float8_scales = bool(precision.float8_gathered_params(self.model_parts))
         self.optimizer = build_optimizer(self.model_parts, config.optim)
         self.scheduler = build_scheduler(self.optimizer, t.steps, config.optim)
+        self.guard = StepGuard(max_skipped_steps=t.max_skipped_steps, spike_factor=t.skip_spikes,
+                               spike_window=t.spike_window, global_tokens=self.global_tokens,
+                               device=runtime.device, is_main=runtime.is_main)
         self.checkpointer = Checkpointer(config, runtime, model_cfg=self.model_cfg, mesh_spec=self.mesh_spec,
                                          model_parts=self.model_parts, optimizer=self.optimizer,
-                                         scheduler=self.scheduler, fp8_scaling=self.fp8_scaling)
+                                         scheduler=self.scheduler, fp8_scaling=self.fp8_scaling,
+                                         run_state=self._run_state)
         # --resume's checkpoint (any mesh), else --init-from-hf's weights; the step to start at.
-        self.step = self.checkpointer.restore()
+        resumed = self.checkpointer.restore()
+        self.step, self.consumed_samples = resumed.step, resumed.consumed_samples
+        self.guard.load_state_dict(resumed.meta.get("skips"))
         self.beat.heading_for(self.step + 1)
         if watchdog is not None:
             watchdog.terminating = lambda: self.checkpointer.stop_signal == signal.SIGTERM
@@ -274,46 +280,61 @@ class Trainer:
             self.router_stats.reset()  # evaluation routing is not training statistics
         return loss_sum.item() / (num_steps * d.global_batch * d.seq_len)
 
+    def _run_state(self) -> dict:
+        """What a checkpoint keeps of the run beside the model: the data position and the skips."""
+        return {"consumed_samples": self.consumed_samples, "global_batch": self.config.data.global_batch,
+                "skips": self.guard.state_dict()}
+
     def launch_step(self) -> "LaunchedStep":
         """Queues one whole step (forward, backward, clipping, update) on the device and returns
         without waiting for it: its loss and norms are read back later (`_read_back`), while the
-        device already runs the next step."""
+        device already runs the next step.
+
+        A non-finite loss or gradient norm (or a spike, with --skip-spikes) skips the update on
+        the device: the fused AdamW takes the decision as `found_inf` and leaves the weights, its
+        moments and its step count as they were. The LR schedule and the data position advance."""
         d = self.config.data
         launched_at = time.perf_counter()
         self.beat.begin_step(self.step + 1)
         self.faults.at_step_start(self.step + 1)
         micro_batches = self.dataset.micro_batches(
-            self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size
+            self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size,
+            first_sample=self.consumed_samples,
         )
         attended_pairs = self._attended_pairs(micro_batches)
         self.stragglers.arm(self.step + 1)
         loss_sum = self.forward_backward(micro_batches, self.faults.loss_factor(self.step + 1))
         compute_spans = self.stragglers.take()
         self.beat.phase("optimizer")
+        # The loss summed over all ranks before the update (the skip decision needs it), in one
+        # all-reduce with the attention work; cp and pp ranks count the same rows. (A fill, not a
+        # copy from the host: a pageable copy would wait for the queued kernels.)
+        totals = torch.stack([loss_sum, loss_sum.new_full((), float(attended_pairs))])
+        for group in self.loss_groups:
+            dist.all_reduce(totals, group=group)
+        loss_sum = totals[0]
         rescale_expert_grads_(self.expert_params, self.plan, self.tp_group)
         grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer)
+        decision = self.guard.decide(loss_sum, grad_norm)
+        self.optimizer.found_inf = decision.found_inf
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         if self.refresh_float8_scales:
-            precision.after_optimizer_step(self.model_parts)
+            precision.after_optimizer_step(self.model_parts)  # from the weights as they now are
         if self.fp8_scaling is not None:
             self.fp8_scaling.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # One all-reduce for the loss and the attention work; cp and pp ranks count the same rows.
-        # (A fill, not a copy from the host: a pageable copy would wait for the queued kernels.)
-        totals = torch.stack([loss_sum, loss_sum.new_full((), float(attended_pairs))])
-        for group in self.loss_groups:
-            dist.all_reduce(totals, group=group)
-        router_stats = self._after_moe_step()
+        router_stats = self._after_moe_step(decision.found_inf)
         self.step += 1
+        self.consumed_samples += d.global_batch
         done = None
         if self.runtime.device.type == "cuda":
             # Waiting on an event releases the GIL (reading the loss does not): while the host
             # waits for the device, the watchdog and other threads run.
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(self.step, launched_at, totals[0], grad_norm, lr, router_stats,
+        return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats, decision,
                             totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp), compute_spans, done)
 
     def _read_back(self, launched: "LaunchedStep") -> dict[str, float]:
@@ -322,22 +343,27 @@ class Trainer:
         state it is the device's time per step."""
         if launched.done is not None:
             launched.done.synchronize()
-        loss = launched.loss_sum.item() / self.global_tokens
+        decision = launched.decision
+        # One transfer for the step's scalars.
+        loss_sum, grad_norm, skipped, median, attended_pairs = torch.stack(
+            [launched.loss_sum.float(), launched.grad_norm.float(), decision.found_inf, decision.median,
+             launched.attended_pairs.float()]).tolist()
+        loss = loss_sum / self.global_tokens
         now = time.perf_counter()
         elapsed = now - max(self._last_read_back, launched.launched_at)
         self._last_read_back = now
-        if not math.isfinite(loss):
-            raise UserError(f"the loss is {loss} at step {launched.step}; lower --lr or check the data")
+        self.guard.record(launched.step, bool(skipped), loss, grad_norm, median)
         tokens_per_sec_per_gpu = self.global_tokens / elapsed / self.runtime.world_size
         scalars = {
-            "train/loss": loss, "train/lr": launched.lr, "train/grad_norm": launched.grad_norm.item(),
+            "train/loss": loss, "train/lr": launched.lr, "train/grad_norm": grad_norm,
+            "train/skipped": skipped, "train/skipped_steps": self.guard.total_skipped,
             "perf/tokens_per_sec_per_gpu": tokens_per_sec_per_gpu,
             "mem/peak_gb": peak_memory_gb(self.runtime.device),
         }
         if launched.router_stats is not None:
             scalars.update(launched.router_stats.scalars())
         # The keys a query attended to, on average: each document's causal (windowed) attention only.
-        attended_keys = launched.attended_pairs.item() / self.global_tokens
+        attended_keys = attended_pairs / self.global_tokens
         scalars["perf/attended_keys_per_token"] = attended_keys
         if launched.compute_spans is not None:
             scalars["perf/straggler_ratio"] = self.stragglers.check(launched.step, launched.compute_spans)
@@ -349,9 +375,10 @@ class Trainer:
             scalars["perf/mfu_document_attention"] = 100.0 * needed * tokens_per_sec_per_gpu / self.peak_flops
         return scalars
 
-    def _after_moe_step(self) -> moe.RouterStats | None:
+    def _after_moe_step(self, found_inf: torch.Tensor) -> moe.RouterStats | None:
         """Router statistics summed over the data-parallel ranks (one all-reduce for all layers);
-        the aux-loss-free bias update. Returns the step's statistics, to read back later."""
+        the aux-loss-free bias update, left out on a skipped step (`found_inf` 1) as the optimizer's.
+        Returns the step's statistics, to read back later."""
         if self.router_stats is None:
             return None
         tensors = self.router_stats.tensors()
@@ -363,8 +390,13 @@ class Trainer:
                 tensor.copy_(summed.view_as(tensor))
         rate = self.model_cfg.bias_update_rate
         if rate > 0:
+            skipped = found_inf.bool()
+
+            def add_unless_skipped(bias, delta):
+                add_full_(bias, delta.masked_fill(skipped, 0.0))
+
             for part in self.model_parts:
-                moe.update_expert_bias(dict(part.named_parameters()), self.router_stats, rate, add_full_)
+                moe.update_expert_bias(dict(part.named_parameters()), self.router_stats, rate, add_unless_skipped)
         return self.router_stats.take()
 
     def fit(self, before_step=None) -> list[dict[str, float]]:
@@ -445,6 +477,7 @@ class LaunchedStep:
     grad_norm: torch.Tensor
     lr: float
     router_stats: moe.RouterStats | None
+    decision: Decision
     attended_pairs: torch.Tensor  # query-key pairs attention needed over the global batch
     compute_spans: list | None = None  # the layers' forward times of a straggler check
     done: torch.cuda.Event | None = None  # recorded after the step's last kernel (GPUs)

@@ -25,6 +25,18 @@ def single_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """One uninterrupted single-process run that saves at steps 3, 6, 9 and 10: (run dir, losses).
+    Tests copy its checkpoints before changing them."""
+    from tests.launch import train_scalars
+
+    run_dir = tmp_path_factory.mktemp("reference")
+    losses = train_scalars(run_dir, ["--checkpoint-every", "3"])["train/loss"]
+    assert len(losses) == 10
+    return run_dir, losses
+
+
+@pytest.fixture(scope="session")
 def dp2_run(tmp_path_factory):
     """The uninterrupted two-process run (dp_shard=2) of the tiny model: resumed, restarted and
     multi-node runs on the same mesh must match its losses bit for bit."""

@@ -18,6 +18,7 @@ import pytest
 from dtrain.checkpoint import storage as ckpt
 from dtrain.run import main
 from models.config import get_model_config
+from tests.damage import flip_middle_bytes, same_size_garbage
 from tests.launch import REPO, TINY_ARGS, run_cli, train_scalars
 
 LOSS_RTOL = 1e-4  # another mesh: float reductions in another order
@@ -34,15 +35,6 @@ def _assert_continues(resumed: list[float], reference: list[float], start: int, 
     assert len(resumed) == len(expected), (what, len(resumed), len(expected))
     for step, (a, e) in enumerate(zip(resumed, expected), start + 1):
         assert abs(a - e) <= rtol * abs(e), f"{what}: loss at step {step} is {a}, uninterrupted {e}"
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One uninterrupted single-process run that saves at steps 3, 6, 9 and 10."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    losses = train_scalars(run_dir, ["--checkpoint-every", "3"])["train/loss"]
-    assert len(losses) == 10
-    return run_dir, losses
 
 
 def test_resume_on_the_same_mesh_is_exact(reference, tmp_path):
@@ -172,11 +164,22 @@ def _corrupt_copy(reference_dir: Path, tmp_path: Path) -> Path:
     return target
 
 
+def _edit_meta_json(path: Path) -> None:
+    text = (path / "meta.json").read_text()
+    (path / "meta.json").write_text(text.replace('"step": 3', '"step": 4'))
+
+
 CORRUPTIONS = [
-    ("delete a shard file", lambda p: (p / "__0_0.distcp").unlink(), [], "shard file __0_0.distcp is missing"),
-    ("truncate a shard file", lambda p: os.truncate(p / "__0_0.distcp", 1000), [], "is truncated"),
-    ("delete .metadata", lambda p: (p / ".metadata").unlink(), [], "no readable DCP .metadata"),
+    ("delete a shard file", lambda p: (p / "__0_0.distcp").unlink(), [], "file __0_0.distcp is missing"),
+    ("truncate a shard file", lambda p: os.truncate(p / "__0_0.distcp", 1000), [], "__0_0.distcp has 1000 bytes"),
+    ("flip bytes inside a shard", lambda p: flip_middle_bytes(p / "__0_0.distcp"), [],
+     "file __0_0.distcp does not match its checksum"),
+    ("delete .metadata", lambda p: (p / ".metadata").unlink(), [], "file .metadata is missing"),
+    ("random bytes in .metadata", lambda p: same_size_garbage(p / ".metadata"), [],
+     "file .metadata does not match its checksum"),
+    ("truncate .metadata", lambda p: os.truncate(p / ".metadata", 100), [], ".metadata has 100 bytes"),
     ("delete meta.json", lambda p: (p / "meta.json").unlink(), [], "no readable meta.json"),
+    ("edit meta.json", _edit_meta_json, [], "meta.json does not match the checksum in COMPLETE"),
     ("delete COMPLETE", lambda p: (p / "COMPLETE").unlink(), [], "is incomplete"),
     ("another model shape", lambda p: None, ["--model-overrides", "num_layers=2"],
      "saved for a model with num_layers=4 but this run's model has num_layers=2"),

@@ -1,9 +1,15 @@
 """A checkpoint written by an earlier dtrain still loads and continues bit for bit: the format
-does not depend on where the code that wrote it lived."""
+does not depend on where the code that wrote it lived. Format 1 has no checksums: it loads
+unverified (the log says so), and a damaged .metadata in it is still one clear line."""
 
 import json
+import os
 import shutil
 
+import pytest
+
+from dtrain.run import main
+from tests.damage import same_size_garbage
 from tests.launch import REPO, run_cli, scalars
 
 FIXTURE = REPO / "tests" / "fixtures" / "checkpoint_format1"
@@ -19,7 +25,23 @@ def test_a_format_1_checkpoint_resumes_to_the_losses_its_run_logged(tmp_path):
     result = run_cli([*ARGS, "--run-dir", str(run_dir), "--resume"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "at step 2" in result.stdout
+    assert "holds no checksums (written before format 2): its files are not verified" in result.stdout
     logged = scalars(run_dir)
     expected = json.loads((FIXTURE / "after_resume.json").read_text())
     for tag, by_step in expected.items():
         assert logged[tag] == [by_step["3"], by_step["4"]], tag
+
+
+@pytest.mark.parametrize("damage", ["random bytes", "truncation"])
+def test_a_damaged_metadata_without_checksums_is_one_line_not_an_unpickling_traceback(tmp_path, capsys, damage):
+    checkpoint = tmp_path / "step_000002"
+    shutil.copytree(FIXTURE / "step_000002", checkpoint)
+    metadata = checkpoint / ".metadata"
+    if damage == "random bytes":
+        same_size_garbage(metadata)
+    else:
+        os.truncate(metadata, metadata.stat().st_size // 2)
+    code = main([*ARGS, "--run-dir", str(tmp_path / "run"), "--resume", str(checkpoint)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert err.startswith("dtrain: error: ") and "has no readable DCP .metadata" in err, err

@@ -10,6 +10,7 @@ import attrs
 import pytest
 import torch
 
+from dtrain.checkpoint import storage as ckpt
 from dtrain.interop import hf
 from models import families, llama, mixtral, spec
 from models.config import PRESETS
@@ -330,7 +331,7 @@ def test_broken_mixtral_directories_and_unexportable_models_are_one_line_errors(
     checkpoint = hf_convert.import_hf(tmp_path / "ok", tmp_path / "run" / "step_000000")
     meta = json.loads((checkpoint / "meta.json").read_text())
     meta["model"].update(num_shared_experts=1, score_func="sigmoid")
-    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    ckpt.write_meta(checkpoint, meta)  # with the marker's checksum of the edited meta.json
     capsys.readouterr()  # transformers' progress bars
     assert hf_convert.main(["export", str(checkpoint), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()

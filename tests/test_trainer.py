@@ -65,7 +65,7 @@ def test_a_failing_run_aborts_its_gpu_process_group_instead_of_waiting_for_the_o
     def failing_trainer(config, runtime, **kwargs):
         raise RuntimeError("a rank failed")
 
-    monkeypatch.setattr(train_lib, "Trainer", failing_trainer)
+    monkeypatch.setattr(train_lib, "Trainer", failing_trainer)  # the name train() calls
     config = with_global_batch(load_config([*TINY_ARGS, "--run-dir", str(tmp_path), "--step-timeout", "0"]), 1)
     try:
         train_lib.train(config)

@@ -60,7 +60,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     hf_dtype = str(source.tensor("embed.weight").dtype).removeprefix("torch.")
     with _one_process():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-    meta = {"format": ckpt.FORMAT_VERSION, "step": 0, "data_position": 0,
+    meta = {"format": ckpt.FORMAT_VERSION, "step": 0, "consumed_samples": 0,
             "model": ckpt.model_shape(source.config), "mesh": "single", "world_size": 1,
             "scheduler": None, "config": "", "hf_config": source.raw_config,
             "hf_dtype": hf_dtype}

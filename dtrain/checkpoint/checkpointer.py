@@ -1,20 +1,24 @@
 """When a run saves and what it starts from: periodic, final and preemption checkpoints, resume on
-any mesh, and initial weights from a Hugging Face checkpoint. The format and the commit protocol
-live in `dtrain.checkpoint.storage`."""
+any mesh (falling back from a corrupt checkpoint to the newest good one), and initial weights from
+a Hugging Face checkpoint. The format and the commit protocol live in `dtrain.checkpoint.storage`,
+the checksums in `integrity`, what a resumed run keeps of its flags in `resume`."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import shutil
 import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.checkpoint import integrity, resume
 from dtrain.checkpoint import storage as ckpt
 from dtrain.config import Config, to_toml
 from dtrain.distributed import Runtime
@@ -30,13 +34,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class Checkpointer:
     """Owns the checkpoints of one run: the model (this rank's parts), its optimizer and LR
-    scheduler. The trainer calls `restore()` once they exist, `start()` before the first step,
-    `after_step()` at every step boundary, `finish()` after the last step and `close()` always."""
+    scheduler, and `run_state()`, the trainer's JSON-able state (data position, skipped steps)
+    kept in meta.json. The trainer calls `restore()` once they exist, `start()` before the first
+    step, `after_step()` at every step boundary, `finish()` after the last step and `close()` always."""
 
     def __init__(self, config: Config, runtime: Runtime, *, model_cfg: LlamaConfig, mesh_spec: MeshSpec,
-                 model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, scheduler, fp8_scaling=None):
+                 model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, scheduler,
+                 run_state: Callable[[], dict[str, Any]] = dict, fp8_scaling=None):
         self.config, self.model_cfg, self.mesh_spec = config, model_cfg, mesh_spec
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.optimizer, self.scheduler, self.run_state = optimizer, scheduler, run_state
         # FP8 delayed scaling's amax histories and scales (parallel.delayed_scaling), or None.
         self.fp8_scaling = fp8_scaling
         t = config.train
@@ -56,46 +62,118 @@ class Checkpointer:
         # Async saves run DCP's collectives in a background thread: they get their own gloo group so
         # they never interleave with the training collectives of the main thread.
         self.async_group = dist.new_group(backend="gloo") if t.async_checkpoint and dist.is_initialized() else None
+        # Hashes the files of a background save once it is written, off the training thread.
+        self.hasher = concurrent.futures.ThreadPoolExecutor(1, "dtrain-checksum") if self.async_group else None
         # With pipelining a rank holds several stages; a checkpoint sees them as one model.
         self.model = ckpt.as_one_module(model_parts)
 
     # ---- start of a run -------------------------------------------------------------------
 
-    def restore(self) -> int:
-        """Loads `--resume`'s checkpoint (else `--init-from-hf`'s weights); returns the step to start at."""
+    def restore(self) -> resume.Resumed:
+        """Loads `--resume`'s checkpoint (else `--init-from-hf`'s weights); returns where to start."""
         t = self.config.train
+        if self.every:
+            self._check_writable()
         if self.is_main and (t.resume or self.every):
             removed = ckpt.remove_incomplete(self.root)
             if removed:
                 logger.info("removed incomplete checkpoints: %s", ", ".join(removed))
-        path = None
         if t.resume:
-            # Rank 0 decides, so every rank loads the same checkpoint even while files change.
-            found = ckpt.resolve_resume(t.resume, self.run_dir) if self.is_main else None
-            path = ckpt.broadcast_from_main(str(found) if found else None)
-            if path is None:
+            # Rank 0 lists them, so every rank tries the same checkpoints even while files change.
+            found = None
+            if self.is_main:
+                try:
+                    found = ckpt.resume_candidates(t.resume, self.run_dir)
+                except UserError as error:
+                    found = str(error)
+            found = ckpt.broadcast_from_main(found)
+            if isinstance(found, str):
+                raise UserError(found)  # on every rank, not on rank 0 alone
+            candidates, explicit = found
+            if not candidates:
                 logger.info("--resume: no checkpoint in %s yet; starting from step 0", self.root)
-        if path is not None:
-            return self._load(Path(path))
+            for index, path in enumerate(candidates):
+                try:
+                    return self._load(path)
+                except ckpt.CorruptCheckpoint as error:
+                    if explicit:
+                        raise
+                    self._set_aside(path, error, candidates[index + 1] if index + 1 < len(candidates) else None)
+            if candidates:
+                raise ckpt.CorruptCheckpoint(f"--resume {t.resume}: every checkpoint ({len(candidates)}) is corrupt "
+                                             f"(see the log); start without --resume or restore them from a copy")
         if t.init_from_hf:
             self._load_hf(t.init_from_hf)
-        return 0
+        return resume.Resumed()
 
-    def _load(self, path: Path) -> int:
+    def _check_writable(self) -> None:
+        """Every rank writes shards into the checkpoint directory: find a read-only one now, not
+        at the first save after the training since the start is done."""
+        if self.is_main:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                pass  # the probe below reports it, on every rank
+        ckpt.barrier()
+        problem = integrity.write_problem(self.root)
+        resume.agree(None if problem is None else UserError(
+            f"checkpoint directory {self.root} is not writable: {problem}; choose another --run-dir or make it "
+            f"writable (or turn checkpoints off with --checkpoint-every 0)"))
+
+    def _set_aside(self, path: Path, error: ckpt.CorruptCheckpoint, older: Path | None) -> None:
+        """A corrupt checkpoint of this run is renamed out of the way (kept for inspection), so that
+        the next restart does not try it again; the log says what the run falls back to."""
+        aside = path.with_name(path.name + ".corrupt")
+        if self.is_main and path.parent == self.root:
+            shutil.rmtree(aside, ignore_errors=True)
+            try:
+                path.rename(aside)
+            except OSError:
+                pass  # then it stays, and is verified (and found corrupt) again next time
+        ckpt.barrier()
+        if self.is_main:
+            logger.warning("%s; %s", str(error).split("; resume from")[0],
+                           f"resuming from the one before it, {older}" if older else "no earlier checkpoint is left")
+            if aside.exists():
+                logger.warning("the corrupt checkpoint was moved to %s; delete it once inspected", aside)
+
+    def _load(self, path: Path) -> resume.Resumed:
         start = time.perf_counter()
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-        meta, has_optim = ckpt.check_checkpoint(path, self.model_cfg, shapes)
-        ckpt.load_train_state(self.model, self.optimizer, path, rank=self.rank, has_optim=has_optim)
-        if self.fp8_scaling is not None:
-            self.fp8_scaling.load_state_dict(ckpt.load_fp8_state(path, list(self.fp8_scaling.layer_shapes())))
+        error, meta, has_optim = None, {}, False
+        try:
+            # Each rank verifies its share of the files' checksums, in parallel.
+            meta, has_optim = ckpt.check_checkpoint(path, self.model_cfg, shapes, self.rank, self.world_size)
+        except UserError as problem:
+            error = problem
+        resume.agree(error)
+        if "files" not in meta:
+            logger.info("checkpoint %s holds no checksums (written before format 2): its files are not verified",
+                        path)
+        configured = resume.hyperparameters(self.optimizer)
+        try:
+            ckpt.load_train_state(self.model, self.optimizer, path, rank=self.rank, has_optim=has_optim)
+            if self.fp8_scaling is not None:
+                self.fp8_scaling.load_state_dict(ckpt.load_fp8_state(path, list(self.fp8_scaling.layer_shapes())))
+        except ckpt.CorruptCheckpoint as problem:
+            error = problem
+        resume.agree(error)
         if meta.get("scheduler"):
             self.scheduler.load_state_dict(meta["scheduler"])
+        resume.reapply_hyperparameters(self.optimizer, self.scheduler, configured)
         step = int(meta["step"])
         self.last_saved = step
         saved_mesh, mesh = meta.get("mesh"), str(self.mesh_spec)
         resharded = f" (resharded from {saved_mesh} to {mesh})" if saved_mesh and saved_mesh != mesh else ""
         logger.info("resumed from %s at step %d%s in %s", path, step, resharded, ckpt.elapsed(start))
-        return step
+        changes = resume.changed_settings(meta, self.config)
+        if changes:
+            logger.info("settings that differ from the checkpoint's run apply from step %d on: %s", step + 1,
+                        ", ".join(changes))
+        consumed = resume.consumed_samples(meta, self.config.data.global_batch)
+        if consumed != step * self.config.data.global_batch:
+            logger.info("the data continues at sample %d of the stream, where the checkpoint's run stopped", consumed)
+        return resume.Resumed(step, consumed, meta)
 
     @torch.no_grad()
     def _load_hf(self, hf_path: str) -> None:
@@ -165,11 +243,17 @@ class Checkpointer:
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         self._old_handlers.clear()
+        if self.hasher is not None:
+            self.hasher.shutdown(wait=False)
 
     # ---- saving ---------------------------------------------------------------------------
 
     def save(self, step: int, wait: bool = False) -> Path:
         self._wait_pending()
+        nonfinite, = ckpt.all_ranks_max([integrity.count_nonfinite(self.model, self.optimizer)])
+        if nonfinite:
+            raise UserError(f"the weights or AdamW moments hold NaN or infinite values at step {step}: not saved, "
+                            f"the latest checkpoint stays the last good state; resume from it with a lower --lr")
         name = ckpt.checkpoint_name(step)
         tmp, final = self.root / f"{name}.tmp", self.root / name
         if self.is_main:
@@ -177,16 +261,21 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         ckpt.barrier()  # no rank writes into tmp before rank 0 has emptied it
         meta = {
-            "format": ckpt.FORMAT_VERSION, "step": step, "data_position": step,
+            "format": ckpt.FORMAT_VERSION, "step": step,
             "model": ckpt.model_shape(self.model_cfg), "mesh": str(self.mesh_spec),
             "world_size": self.world_size, "scheduler": self.scheduler.state_dict(),
-            "config": to_toml(self.config),
+            "config": to_toml(self.config), **self.run_state(),
         }
         started = time.perf_counter()
         use_async = self.async_group is not None and not wait
-        future = ckpt.save_train_state(self.model, self.optimizer, tmp, rank=self.rank,
-                                       async_group=self.async_group if use_async else None,
-                                       fp8_state=self.fp8_scaling.state_dict() if self.fp8_scaling else None)
+        written = ckpt.save_train_state(self.model, self.optimizer, tmp, rank=self.rank,
+                                        async_group=self.async_group if use_async else None,
+                                        fp8_state=self.fp8_scaling.state_dict() if self.fp8_scaling else None)
+        if use_async:
+            future = self.hasher.submit(lambda: (written.result(), integrity.own_checksums(tmp, self.rank))[1])
+        else:
+            future = concurrent.futures.Future()
+            future.set_result(integrity.own_checksums(tmp, self.rank))
         self.pending = ckpt.PendingSave(future, step, tmp, final, meta, started)
         self.last_saved = step
         if not use_async:
@@ -202,10 +291,14 @@ class Checkpointer:
         self._commit_pending()
 
     def _commit_pending(self) -> None:
+        """Every rank: its checksums go to rank 0, which lists them in meta.json and commits."""
         p, self.pending = self.pending, None
-        if p.future is not None:
-            p.future.result()
+        own = p.future.result()
+        gathered = [own]
+        if dist.is_initialized() and self.world_size > 1:
+            gathered = [None] * self.world_size if self.is_main else None
+            dist.gather_object(own, gathered, dst=0)
         if self.is_main:
-            ckpt.commit(p.tmp, p.final, p.meta)
+            ckpt.commit(p.tmp, p.final, {**p.meta, "files": integrity.manifest(p.tmp, gathered)})
             ckpt.prune(self.root, self.keep_last)
             logger.info("saved checkpoint %s in %s", p.final, ckpt.elapsed(p.started))

@@ -7,12 +7,15 @@ A checkpoint is `run_dir/checkpoints/step_000100/`:
                                   another mesh reshards; with FP8 delayed scaling, its amax
                                   histories and scales per layer (`fp8.blocks.3.scale`)
     rng/rank_00000.pt             each rank's torch RNG states
-    meta.json                     step, LR-scheduler state, model shape, resolved config, mesh
-    COMPLETE                      written by rank 0 after every rank finished writing
+    meta.json                     step, LR-scheduler state, model shape, resolved config, mesh, the
+                                  data position (samples consumed), the skipped steps, and the size
+                                  and CRC-32 of every other file (format 2)
+    COMPLETE                      written by rank 0 after every rank finished writing: the step,
+                                  and the CRC-32 of meta.json (format 2)
 
 A save is written into `step_000100.tmp/` and renamed to its final name only once complete, so a
-process killed at any moment leaves the previous checkpoint as the latest valid one. The data
-position is the step: the batch of step s is a pure function of (seed, s).
+process killed at any moment leaves the previous checkpoint as the latest valid one. Format 1
+(before checksums) still loads, unverified.
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
 
+from dtrain.checkpoint import integrity
 from models.config import LlamaConfig
 from models.errors import UserError
 
 logger = logging.getLogger("dtrain")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 META = "meta.json"
@@ -50,6 +55,11 @@ FP8 = "fp8"  # the state dict entry of FP8 delayed scaling's state
 _NAME = re.compile(r"^step_(\d+)$")
 # Names this module may leave behind when a process dies: a save in progress, a replaced one.
 _LEFTOVER = re.compile(r"^step_\d+(\.tmp|\.old)?$")
+
+
+class CorruptCheckpoint(UserError):
+    """A checkpoint whose files are missing, truncated or altered: a resume may fall back to an
+    earlier one (unlike a checkpoint of another model, which is refused)."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -77,24 +87,30 @@ def remove_incomplete(root: Path) -> list[str]:
     return removed
 
 
-def resolve_resume(value: str, run_dir: Path) -> Path | None:
-    """The checkpoint that `--resume VALUE` names: `latest` is the newest committed one in the run
-    directory (None when there is none); a path is a step directory or a directory holding them."""
+def resume_candidates(value: str, run_dir: Path) -> tuple[list[Path], bool]:
+    """The checkpoints that `--resume VALUE` may load, newest first, and whether VALUE named one
+    checkpoint (then it is the only candidate). `latest` is the run directory's committed ones
+    (none yet: []); a path is a step directory or a directory holding them."""
     if value == LATEST:
-        found = valid_checkpoints(run_dir / CHECKPOINTS)
-        return found[-1][1] if found else None
+        return [path for _, path in reversed(valid_checkpoints(run_dir / CHECKPOINTS))], False
     path = Path(value)
     if not path.is_dir():
         raise UserError(f"--resume {value}: no such directory; pass a checkpoint (step_NNNNNN), a run "
                         f"directory, or --resume alone for the latest checkpoint of --run-dir")
     if _NAME.match(path.name) or (path / META).exists() or (path / ".metadata").exists():
-        return path
+        return [path], True
     for root in (path / CHECKPOINTS, path):
         found = valid_checkpoints(root)
         if found:
-            return found[-1][1]
+            return [p for _, p in reversed(found)], False
     raise UserError(f"--resume {value}: holds no complete checkpoint (a step_NNNNNN directory with a "
                     f"{COMPLETE} file); pass another directory or leave --resume out")
+
+
+def resolve_resume(value: str, run_dir: Path) -> Path | None:
+    """The newest checkpoint that `--resume VALUE` names (None: `latest` and there is none yet)."""
+    candidates, _ = resume_candidates(value, run_dir)
+    return candidates[0] if candidates else None
 
 
 def model_shape(cfg: LlamaConfig) -> dict[str, Any]:
@@ -107,27 +123,38 @@ def shape_difference(saved: dict[str, Any], current: dict[str, Any]) -> list[str
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    """The checkpoint's meta.json, after checking that the save was committed."""
+    """The checkpoint's meta.json, after checking that the save was committed and, where COMPLETE
+    holds its checksum (format 2), that meta.json is the one committed."""
     if not (path / COMPLETE).is_file():
         raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE} file: its save was interrupted); "
                         f"resume from an earlier step_NNNNNN directory")
     try:
-        meta = json.loads((path / META).read_text())
+        marker = (path / COMPLETE).read_text().split()
+        text = (path / META).read_text()
+        if len(marker) >= 4 and marker[1] == META and integrity.text_checksum(text) != marker[3]:
+            raise ValueError(f"{META} does not match the checksum in {COMPLETE}")
+        meta = json.loads(text)
         step = int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"checkpoint {path} has no readable {META} ({type(error).__name__}: {error}); "
-                        f"it is corrupt: resume from an earlier checkpoint") from None
-    if meta.get("format") != FORMAT_VERSION or step < 0:
+        raise CorruptCheckpoint(f"checkpoint {path} has no readable {META} ({type(error).__name__}: {error}); "
+                                f"it is corrupt: resume from an earlier checkpoint") from None
+    if meta.get("format") not in READABLE_FORMATS or step < 0:
         raise UserError(f"checkpoint {path} has format {meta.get('format')!r} and step {step}; this dtrain "
-                        f"reads format {FORMAT_VERSION}: convert it or start without --resume")
+                        f"reads formats {READABLE_FORMATS}: convert it or start without --resume")
     return meta
 
 
-def check_checkpoint(path: Path, model_cfg: LlamaConfig, param_shapes: dict[str, tuple[int, ...]]) -> tuple[dict, bool]:
+def check_checkpoint(path: Path, model_cfg: LlamaConfig, param_shapes: dict[str, tuple[int, ...]],
+                     rank: int = 0, world_size: int = 1) -> tuple[dict, bool]:
     """Everything that can be checked before loading, so that a bad checkpoint is one clear error
-    rather than a partial load: the commit marker, the model shape, the DCP metadata, every shard
-    file and every parameter's shape. Returns (meta, whether it holds optimizer state)."""
+    rather than a partial load: the commit marker, the model shape, the checksums (this rank's
+    share of the files: every `world_size`-th), the DCP metadata, every shard file and every
+    parameter's shape. Returns (meta, whether it holds optimizer state)."""
     meta = read_meta(path)
+    problems = integrity.verify(path, meta["files"], rank, world_size) if "files" in meta else []
+    if problems:
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}; resume from an "
+                                f"earlier checkpoint")
     current = model_shape(model_cfg)
     differ = shape_difference(meta.get("model", {}), current)
     if differ:
@@ -137,16 +164,17 @@ def check_checkpoint(path: Path, model_cfg: LlamaConfig, param_shapes: dict[str,
                         f"set --model/--model-overrides to the checkpoint's shape or start without --resume")
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
-    except (OSError, ValueError, EOFError, RuntimeError) as error:
-        raise UserError(f"checkpoint {path} has no readable DCP .metadata ({type(error).__name__}); "
-                        f"it is corrupt: resume from an earlier checkpoint") from None
-    for info in (metadata.storage_data or {}).values():
+        storage_data = dict(metadata.storage_data or {})
+        saved_tensors = dict(metadata.state_dict_metadata)
+    except Exception as error:  # an unpickler fed damaged bytes can raise almost anything
+        raise CorruptCheckpoint(f"checkpoint {path} has no readable DCP .metadata ({type(error).__name__}); "
+                                f"it is corrupt: resume from an earlier checkpoint") from None
+    for info in storage_data.values():
         shard = path / info.relative_path
         if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
             what = "missing" if not shard.is_file() else "truncated"
-            raise UserError(f"checkpoint {path}: shard file {info.relative_path} is {what}; the checkpoint is "
-                            f"corrupt: resume from an earlier one")
-    saved_tensors = metadata.state_dict_metadata
+            raise CorruptCheckpoint(f"checkpoint {path}: shard file {info.relative_path} is {what}; the "
+                                    f"checkpoint is corrupt: resume from an earlier one")
     for name, shape in param_shapes.items():
         entry = saved_tensors.get(f"model.{name}")
         size = tuple(getattr(entry, "size", ()) or ())
@@ -155,7 +183,7 @@ def check_checkpoint(path: Path, model_cfg: LlamaConfig, param_shapes: dict[str,
                             f"needs {list(shape)}; it was saved for another model: check --model-overrides")
     has_optim = any(key.startswith("optim.") for key in saved_tensors)
     if not has_optim and meta["step"] != 0:
-        raise UserError(f"checkpoint {path} at step {meta['step']} holds no optimizer state; "
+        raise CorruptCheckpoint(f"checkpoint {path} at step {meta['step']} holds no optimizer state; "
                         f"it is corrupt: resume from an earlier checkpoint")
     return meta, has_optim
 
@@ -176,10 +204,19 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_meta(path: Path, meta: dict[str, Any]) -> None:
+    """meta.json, then the COMPLETE marker that holds its checksum."""
+    text = json.dumps(meta, indent=1)
+    _write_synced(path / META, text)
+    _write_synced(path / COMPLETE, f"{meta['step']}\n{META} crc32 {integrity.text_checksum(text)}\n")
+
+
 def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-    """Rank 0, after every rank finished writing into `tmp`: the metadata, the marker, the rename."""
-    _write_synced(tmp / META, json.dumps(meta, indent=1))
-    _write_synced(tmp / COMPLETE, f"{meta['step']}\n")
+    """Rank 0, after every rank finished writing into `tmp`: the metadata, the marker (with the
+    metadata's checksum), the rename."""
+    if "files" not in meta:  # a writer in one process (an import): hash everything here
+        meta = {**meta, "files": integrity.manifest(tmp, [])}
+    write_meta(tmp, meta)
     old = final.with_name(final.name + ".old")
     if final.exists():  # a run resumed from an earlier step saves this step again
         shutil.rmtree(old, ignore_errors=True)
@@ -215,7 +252,7 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 @attrs.define
 class PendingSave:
-    future: Any
+    future: Any  # its result: the checksums of the files this rank wrote
     step: int
     tmp: Path
     final: Path
@@ -285,14 +322,19 @@ def load_train_state(model, optimizer, path: Path, *, rank: int, has_optim: bool
             set_model_state_dict(model, state["model"])
     except dcp.api.CheckpointException as error:
         first = str(error).strip().splitlines()[0][:200]
-        raise UserError(f"checkpoint {path} could not be read ({first}); it is corrupt: resume from an "
-                        f"earlier checkpoint") from error
+        raise CorruptCheckpoint(f"checkpoint {path} could not be read ({first}); it is corrupt: resume from an "
+                                f"earlier checkpoint") from error
     rng_dir = path / "rng"
     own = rng_dir / f"rank_{rank:05d}.pt"
     # A resumed run with more ranks than the saved one gives the new ranks rank 0's states.
     source = own if own.is_file() else rng_dir / "rank_00000.pt"
     if source.is_file():
-        set_rng_state(torch.load(source, weights_only=True))
+        try:
+            states = torch.load(source, weights_only=True)
+        except Exception as error:  # damaged bytes: the unpickler can raise almost anything
+            raise CorruptCheckpoint(f"checkpoint {path}: {source.name} is not readable ({type(error).__name__}); "
+                                    f"it is corrupt: resume from an earlier checkpoint") from None
+        set_rng_state(states)
 
 
 def load_fp8_state(path: Path, names: list[str]) -> dict[str, torch.Tensor]:

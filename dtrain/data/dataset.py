@@ -247,11 +247,15 @@ class TokenDataset:
         return self._rows(step, global_batch_size, 0, global_batch_size)[0]
 
     def micro_batches(self, step: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
-                      dp_size: int) -> list[MicroBatch]:
+                      dp_size: int, first_sample: int | None = None) -> list[MicroBatch]:
         """This rank's rows of global_batch(step) (rows [dp_rank*n : (dp_rank+1)*n], n = global_batch_size // dp_size),
         cut into micro-batches of micro_batch_size rows, each a MicroBatch that unpacks as (inputs [mb, seq_len],
         labels [mb, seq_len]) with labels = inputs shifted by one token, and carries position_ids and
-        document_ids when the dataset has documents=True. Validates divisibility with a UserError."""
+        document_ids when the dataset has documents=True. Validates divisibility with a UserError.
+
+        `first_sample` (default step x global_batch_size) is where the batch starts in the sample stream
+        of a text corpus or indexed data: a run resumed with another global batch passes the samples
+        consumed so far. Synthetic rows are drawn per (step, row) and never repeat either way."""
         _check_positive(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                         dp_size=dp_size)
         if not 0 <= dp_rank < dp_size:
@@ -266,7 +270,7 @@ class TokenDataset:
                             f"size {micro_batch_size}: choose a micro batch size that divides {rows_per_rank}")
         # Only this rank's rows are built; they equal the matching rows of global_batch(step).
         rows, documents = self._rows(step, global_batch_size, dp_rank * rows_per_rank, rows_per_rank,
-                                     self.documents)
+                                     self.documents, first_sample)
         batches = []
         for first in range(0, rows_per_rank, micro_batch_size):
             chunk = rows[first : first + micro_batch_size]
@@ -299,7 +303,7 @@ class TokenDataset:
             yield from self.micro_batches(step, global_batch_size, micro_batch_size, dp_rank, dp_size)
 
     def _rows(self, step: int, global_batch_size: int, first_row: int, num_rows: int,
-              with_documents: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+              with_documents: bool = False, first_sample: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows [first_row, first_row + num_rows) of the global batch of `step`: token ids
         [num_rows, seq_len + 1] and, if asked, the document number of each token in its row."""
         step = operator.index(step)
@@ -309,7 +313,8 @@ class TokenDataset:
             rows = self._synthetic_rows(step, first_row, num_rows)
             return rows, self._synthetic_documents(step, first_row, num_rows) if with_documents else None
         # Global batch `step` is samples [step * G, (step + 1) * G) of the endless sample stream.
-        sample_ids = torch.arange(num_rows, dtype=torch.int64) + (step * global_batch_size + first_row)
+        first_sample = step * global_batch_size if first_sample is None else first_sample
+        sample_ids = torch.arange(num_rows, dtype=torch.int64) + (first_sample + first_row)
         if self._indexed is not None:
             rows, documents = self._indexed.rows(sample_ids.numpy(), with_documents)
             return torch.from_numpy(rows), None if documents is None else torch.from_numpy(documents)

@@ -47,6 +47,9 @@ def _check_sizes(config: Config) -> None:
     if not (0 < t.init_timeout <= MAX_TIMEOUT_S and 0 <= t.step_timeout <= MAX_TIMEOUT_S):
         raise UserError(f"--init-timeout {t.init_timeout} and --step-timeout {t.step_timeout} must be seconds in "
                         f"(0, {MAX_TIMEOUT_S:g}] and [0, {MAX_TIMEOUT_S:g}] (--step-timeout 0: no hang detection)")
+    if t.max_skipped_steps < 1 or t.spike_window < 1 or t.skip_spikes < 0 or 0 < t.skip_spikes <= 1:
+        raise UserError(f"--max-skipped-steps {t.max_skipped_steps} and --spike-window {t.spike_window} must be >= 1, "
+                        f"--skip-spikes {t.skip_spikes} 0 (off) or above 1 (a factor of the median loss)")
     if config.optim.warmup_steps < 0 or config.optim.lr <= 0:
         raise UserError("--lr must be > 0 and --warmup-steps >= 0")
 
