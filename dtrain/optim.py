@@ -10,9 +10,10 @@ from torch import nn
 from dtrain.config import OptimArgs
 
 
-def build_optimizer(model_parts: list[nn.Module], args: OptimArgs) -> torch.optim.AdamW:
+def build_optimizer(model_parts: list[nn.Module], args: OptimArgs, fused: bool | None = None) -> torch.optim.AdamW:
     """Weight decay on matmul weights only; norms and embeddings are left undecayed. Each part
-    (the model, or this rank's pipeline stages) has `specs`: parameter name -> ParamSpec."""
+    (the model, or this rank's pipeline stages) has `specs`: parameter name -> ParamSpec.
+    `fused`: the fused kernel (default: where the parameters are on a GPU), else foreach."""
     decay, no_decay = [], []
     for part in model_parts:
         for name, param in part.named_parameters():
@@ -22,11 +23,12 @@ def build_optimizer(model_parts: list[nn.Module], args: OptimArgs) -> torch.opti
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    on_cuda = next(model_parts[0].parameters()).device.type == "cuda"
-    # The fused kernel runs the whole update in a few launches on GPU; foreach elsewhere.
+    if fused is None:
+        # The fused kernel runs the whole update in a few launches on GPU; foreach elsewhere.
+        fused = next(model_parts[0].parameters()).device.type == "cuda"
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
-        fused=on_cuda, foreach=not on_cuda,
+        fused=fused, foreach=not fused,
     )
 
 

@@ -22,7 +22,11 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
                 cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None, ep_dispatch: str = "alltoall",
                 fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fp8_head: bool = False,
                 fuse_projections: bool = False, reshard_mode: str = "default",
+                full_recompute: frozenset[str] = frozenset(), cpu_offload: bool = False,
                 ) -> tuple[ModelModule, ParallelContext]:
+    """This rank's model: parameters placed by the plan, blocks wrapped for recompute (the blocks
+    named in `full_recompute` fully, the others by `recompute_mode`) and compile, FSDP2 applied.
+    On `device=meta` it stays without memory until `materialize`."""
     ctx = ParallelContext(plan, mesh, cp_method, expert_mesh)
     ctx.fuse_projections = fuse_projections
     ctx.compile_experts = compile_blocks
@@ -44,7 +48,8 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
     for block in model.blocks.values():
         if fp8_linear is not None and block.layer_name in fp8_layers:
             block.ctx = ctx.with_fp8(fp8_linear)
-        block.forward_fn = recompute.wrap(block.forward_fn, recompute_mode)
+        mode = "full" if block.layer_name in full_recompute else recompute_mode
+        block.forward_fn = recompute.wrap(block.forward_fn, mode)
         if compile_blocks:
             block.forward_fn = torch.compile(block.forward_fn)
     if fp8_linear is not None and fp8_head and model.head is not None:
@@ -54,10 +59,17 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
         # fuses into a few passes instead of materialising fp32 logits.
         model.head.forward_fn = torch.compile(model.head.forward_fn)
     data_parallel.apply_fsdp(model, mesh, plan, compute_dtype=compute_dtype, expert_mesh=expert_mesh,
-                             reshard_mode=reshard_mode)
-    model.to_empty(device=device)
-    init_parameters(model, seed)
+                             reshard_mode=reshard_mode, cpu_offload=cpu_offload)
+    if device.type != "meta":
+        materialize(model, device, seed, cpu_offload=cpu_offload)
     return model, ctx
+
+
+def materialize(model: ModelModule, device: torch.device, seed: int, *, cpu_offload: bool = False) -> None:
+    """Memory for this rank's shards, set to the mesh-independent initial values: on `device`, or
+    in host memory under CPU offload (FSDP copies each block's shards in when it runs)."""
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    init_parameters(model, seed)
 
 
 def enable_async_tp(mesh: DeviceMesh) -> None:

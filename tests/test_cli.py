@@ -18,6 +18,10 @@ BAD_INPUTS = [
     (["--tokenizer", "/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json"),
     (["--resume", "/nonexistent/step_000100"], "--resume /nonexistent/step_000100: no such checkpoint"),
     (["--checkpoint-every", "-5"], "--checkpoint-every -5 must be >= 0"),
+    (["--recompute-layers", "5"], "--recompute-layers 5 is more than the 4 blocks of the largest pipeline stage"),
+    (["--recompute-layers", "-1"], "--recompute-layers -1 must be >= 0"),
+    (["--recompute", "full", "--recompute-layers", "1"], "--recompute full already recomputes every block"),
+    (["--cpu-offload", "--fp8", "tensorwise"], "add --no-fp8-all-gather"),
 ]
 
 

@@ -18,6 +18,7 @@ CASES = [
     (["--mesh", "pp=2,tp=2", "--sequence-parallel"], 4),
     (["--mesh", "dp=2,pp=2"], 4),
     (["--mesh", "cp=2,pp=2", "--cp-comm", "ring"], 4),
+    (["--mesh", "pp=2", "--recompute-layers", "1"], 2),  # full recompute of the first block of each stage
 ]
 
 

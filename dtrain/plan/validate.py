@@ -8,11 +8,12 @@ from pathlib import Path
 import attrs
 import torch
 
+from dtrain import build
 from dtrain.config import Config
 from dtrain.data import validate_data_args
 from models.config import LlamaConfig, MoEConfig, get_model_config
 from models.errors import UserError
-from parallel import pipeline, precision
+from parallel import pipeline, precision, recompute
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
 
@@ -25,6 +26,8 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     _check_model_split(config, model_cfg, mesh_spec)
     _check_sequence_split(config, model_cfg, mesh_spec)
     _check_options(config, model_cfg, mesh_spec)
+    recompute.validate_partial(config.train.recompute_layers, config.train.recompute,
+                               build.blocks_per_stage(config, model_cfg, mesh_spec))
     validate_data_args(config.data.data, config.data.tokenizer, config.data.split)
     return mesh_spec, model_cfg
 
@@ -100,6 +103,9 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
     t, p, tp = config.train, config.parallel, mesh_spec.tp
     if p.async_tp and not (t.compile and p.sequence_parallel and tp > 1 and torch.cuda.is_available()):
         raise UserError("--async-tp needs --compile, --sequence-parallel, a mesh with tp > 1 and CUDA GPUs")
+    if p.cpu_offload and t.fp8 == "tensorwise" and t.fp8_all_gather:
+        raise UserError("--cpu-offload keeps the weights' shards in host memory, where the float8 all-gather's "
+                        "scales cannot be computed; add --no-fp8-all-gather (the FP8 matmuls stay)")
     if t.fp8_head and t.fp8 is None:
         raise UserError("--fp8-head runs the output projection in FP8; give --fp8 RECIPE with it")
     if t.fp8 is not None:
