@@ -52,7 +52,10 @@ class ParallelArgs:
     cpu_offload: bool = _field(False, "FSDP2's CPU offload: parameters, gradients and optimizer state live in host "
                                       "memory, each block's parameters are copied in for its forward and backward, "
                                       "and the optimizer steps on the CPU")
-    print_plan: bool = _field(False, "print every parameter's placements and local shape, then exit")
+    print_plan: bool = _field(False, "print every parameter's placements and local shape and the pipeline stages, "
+                                     "then exit")
+    world_size: int | None = _field(None, "the number of ranks --print-plan plans for (default: torchrun's, else "
+                                          "the product of the --mesh sizes)")
 
 
 @attrs.frozen

@@ -73,6 +73,11 @@ def validate_schedule(schedule: str, pp: int, virtual: int, num_microbatches: in
         parse_layout(layout, num_blocks, num_stages)
 
 
+def ideal_bubble(pp: int, virtual: int, num_microbatches: int) -> float:
+    """The fraction of a step a stage waits in fill and drain: (p - 1) / (v m + p - 1)."""
+    return (pp - 1) / (virtual * num_microbatches + pp - 1)
+
+
 def parse_layout(layout: str, num_blocks: int, num_stages: int) -> list[int]:
     try:
         counts = [int(part) for part in layout.split(",")]

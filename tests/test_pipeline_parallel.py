@@ -1,8 +1,11 @@
 """Pipeline parallelism: loss parity of every schedule against one process (CPU, gloo, fp32,
-10 steps, relative difference <= 1e-4 at every step), the splitter, and bad layouts."""
+10 steps, relative difference <= 1e-4 at every step), the splitter, bad layouts,
+and the number of micro-batches taken without --global-batch."""
 
 import pytest
 
+from dtrain.config import load_config
+from dtrain.plan.validate import DEFAULT_MICROBATCHES_PER_STAGE, validate, with_global_batch
 from models.errors import UserError
 from parallel import pipeline
 from tests.launch import train_scalars
@@ -83,3 +86,16 @@ def test_bad_pipeline_settings(kwargs, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         pipeline.validate_schedule(args["schedule"], args["pp"], args["virtual"], args["micro"],
                                    args["blocks"], args["layout"], args["on_gpus"])
+
+
+@pytest.mark.parametrize("mesh,world,schedule", [("pp=4,dp=2", 8, "1f1b"), ("pp=2", 2, "interleaved-1f1b"),
+                                                 ("pp=2", 2, "zbv")])
+def test_pipelines_without_global_batch_take_enough_micro_batches(mesh, world, schedule):
+    args = ["--mesh", mesh, "--pp-schedule", schedule]
+    if schedule != "1f1b":
+        args += ["--pp-virtual-stages", "2", "--model-overrides", "num_layers=8"]
+    config = with_global_batch(load_config(args), world)
+    mesh_spec, _ = validate(config, world)  # enough for every schedule, or this raises
+    per_rank = config.data.global_batch // (config.data.micro_batch * mesh_spec.dp_size)
+    assert per_rank == DEFAULT_MICROBATCHES_PER_STAGE * mesh_spec.pp
+    assert pipeline.ideal_bubble(mesh_spec.pp, 1, per_rank) <= 1 / 3

@@ -3,6 +3,7 @@ before any work is done, and the sharding plan the checked configuration resolve
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import attrs
@@ -16,6 +17,11 @@ from models.errors import UserError
 from parallel import pipeline, precision, recompute
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
+
+logger = logging.getLogger("dtrain")
+
+# Micro-batches per step per pipeline stage when --global-batch is not given (see with_global_batch).
+DEFAULT_MICROBATCHES_PER_STAGE = 2
 
 
 def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
@@ -123,11 +129,22 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
 
 
 def with_global_batch(config: Config, world_size: int) -> Config:
-    """`--global-batch` unset means one micro-batch per data-parallel rank."""
-    if config.data.global_batch is not None:
+    """`--global-batch` unset means one micro-batch per data-parallel rank, and with pp > 1,
+    2 x pp of them: enough for every schedule (a multiple of pp) and a bubble of at most a third
+    with 1F1B, (pp - 1) / (3 pp - 1), where pp would leave it near a half. 1F1B holds at most pp
+    micro-batches on a stage whatever the number per step; GPipe and looped BFS hold all of them."""
+    d, p = config.data, config.parallel
+    if d.global_batch is not None:
         return config
-    dp_size = MeshSpec.parse(config.parallel.mesh, world_size).dp_size
-    return attrs.evolve(config, data=attrs.evolve(config.data, global_batch=config.data.micro_batch * dp_size))
+    mesh_spec = MeshSpec.parse(p.mesh, world_size)
+    per_rank = 1 if mesh_spec.pp == 1 else DEFAULT_MICROBATCHES_PER_STAGE * mesh_spec.pp
+    config = attrs.evolve(config, data=attrs.evolve(d, global_batch=d.micro_batch * mesh_spec.dp_size * per_rank))
+    if mesh_spec.pp > 1:
+        bubble = pipeline.ideal_bubble(mesh_spec.pp, p.pp_virtual_stages, per_rank)
+        logger.info("pipeline: no --global-batch given: %d micro-batches of %d per step on each data-parallel rank "
+                    "(2 x pp=%d; ideal %s bubble %.0f%%), global batch %d; set --global-batch to choose",
+                    per_rank, d.micro_batch, mesh_spec.pp, p.pp_schedule, 100 * bubble, config.data.global_batch)
+    return config
 
 
 def build_plan(config: Config, mesh_spec: MeshSpec, model_cfg: LlamaConfig) -> Plan:
