@@ -54,8 +54,12 @@ class ParallelArgs:
                                       "and the optimizer steps on the CPU")
     print_plan: bool = _field(False, "print every parameter's placements and local shape and the pipeline stages, "
                                      "then exit")
-    world_size: int | None = _field(None, "the number of ranks --print-plan plans for (default: torchrun's, else "
-                                          "the product of the --mesh sizes)")
+    dry_run: bool = _field(False, "run one training step of each distinct rank's program on fake tensors over a fake "
+                                  "process group of --world-size ranks, in this one process; print each rank's "
+                                  "parameter and optimizer bytes, collectives and peak memory, then exit")
+    dry_run_rank: int | None = _field(None, "with --dry-run: only this rank")
+    world_size: int | None = _field(None, "the number of ranks --dry-run and --print-plan plan for (default: "
+                                          "torchrun's, else the product of the --mesh sizes)")
 
 
 @attrs.frozen

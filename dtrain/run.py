@@ -1,4 +1,5 @@
-"""`python -m dtrain.run` (plain, or under torchrun): train, or print the sharding plan."""
+"""`python -m dtrain.run` (plain, or under torchrun): train, print the sharding plan, or dry-run
+every distinct rank of a world of any size."""
 
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_config(argv)
-        if config.parallel.print_plan:
+        if config.parallel.dry_run:
+            from dtrain.plan.dry_run import dry_run
+
+            dry_run(config)
+        elif config.parallel.print_plan:
             print_plan(config)
         else:
             train(config)

@@ -135,10 +135,7 @@ def layer_costs(layers: list[spec.Layer]) -> tuple[float, float]:
     return 0.0, matmul_params(layers[-1]) / block
 
 
-def build_schedule(stage_modules, stage_indices: list[int], num_stages: int, schedule: str,
-                   num_microbatches: int, loss_fn, device, group):
-    stages = [PipelineStage(module, index, num_stages, device, group=group)
-              for module, index in zip(stage_modules, stage_indices)]
+def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches: int, loss_fn):
     schedule_cls = SCHEDULES[schedule]
     if schedule in SPLIT_BACKWARD:
         # A compiled block's backward may not free ("donate") its saved buffers when the graph is
@@ -148,6 +145,33 @@ def build_schedule(stage_modules, stage_indices: list[int], num_stages: int, sch
     if schedule in SINGLE_STAGE:
         return schedule_cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
     return schedule_cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def activations_held(schedule, pp_rank: int, pp: int, stage_ids: list[int],
+                     num_microbatches: int) -> list[dict[int, int]]:
+    """How many micro-batches' activations each of this rank's stages holds after each step of
+    the schedule's order for this rank: a forward adds one, a full backward (or, in the
+    zero-bubble schedules, the weight pass after the input pass) frees one. Schedules without an
+    order table (single-stage ones on some torch versions) follow their definition: GPipe runs
+    every forward first; 1F1B runs pp - stage forwards before its first backward."""
+    order = getattr(schedule, "pipeline_order", None)
+    if order is None:
+        most = num_microbatches if isinstance(schedule, ScheduleGPipe) else min(pp - pp_rank, num_microbatches)
+        return [{stage_ids[0]: k} for k in range(1, most + 1)]
+    held = dict.fromkeys(stage_ids, 0)
+    profile = []
+    actions = [a for action in order.get(pp_rank, []) if action is not None
+               for a in (action.sub_actions or (action,))]
+    for action in actions:
+        kind = action.computation_type.value
+        if kind == "F":
+            held[action.stage_index] += 1
+        elif kind in ("B", "W"):
+            held[action.stage_index] -= 1
+        else:
+            continue
+        profile.append(dict(held))
+    return profile
 
 
 class PipelineRunner:
@@ -168,8 +192,9 @@ class PipelineRunner:
             return last.head_loss(hidden, attrs.evolve(self.aux, labels=labels)) * self.loss_scale
 
         self.loss_scale = loss_scale
-        self.schedule = build_schedule(parts, stage_indices, num_stages, schedule, num_microbatches,
-                                       loss_fn, device, group)
+        self.stages = [PipelineStage(module, index, num_stages, device, group=group)
+                       for module, index in zip(parts, stage_indices)]
+        self.schedule = build_schedule(self.stages, schedule, num_microbatches, loss_fn)
 
     def step(self, inputs, labels, aux, loss_factor: float = 1.0) -> torch.Tensor:
         """Forward and backward of all micro-batches; the summed (unscaled) loss of this rank's

@@ -22,6 +22,8 @@ BAD_INPUTS = [
     (["--recompute-layers", "-1"], "--recompute-layers -1 must be >= 0"),
     (["--recompute", "full", "--recompute-layers", "1"], "--recompute full already recomputes every block"),
     (["--cpu-offload", "--fp8", "tensorwise"], "add --no-fp8-all-gather"),
+    (["--world-size", "2"], "--world-size 2 is for --dry-run and --print-plan; this run has 1 process"),
+    (["--dry-run-rank", "0"], "--dry-run-rank needs --dry-run"),
 ]
 
 
