@@ -77,13 +77,12 @@ class ProgramReport:
     collectives: dict = attrs.field(factory=lambda: defaultdict(CollectiveTally))
     # pipelined: pp rank -> the micro-batches each stage holds after each step of the schedule
     held: dict[int, list[dict[int, int]]] = attrs.field(factory=dict)
-    seconds: float = 0.0
 
 
 def dry_run(config: Config) -> list[tuple[Role, ProgramReport]]:
     """Checks the configuration as a real run does, then runs and prints every role; returns
     each role with the report of its program."""
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     p = config.parallel
     world_size = MeshSpec.parse(p.mesh, planned_world_size(config)).world_size
     config = with_global_batch(config, world_size)
@@ -116,8 +115,8 @@ def dry_run(config: Config) -> list[tuple[Role, ProgramReport]]:
             same = [r.pp_rank for r in roles if r.program == role.program]
             programs[role.program] = _run_program(config, world_size, role, same, mesh_spec, model_cfg)
         print(_describe_role(config, mesh_spec, role, programs[role.program], counts), flush=True)
-    print(f"dry run: {len(roles)} role(s), {len(programs)} program(s) run, "
-          f"{time.perf_counter() - started:.0f} s")
+    print(f"dry run: {len(roles)} role(s), {len(programs)} program(s) run in {time.process_time() - cpu_started:.0f} "
+          f"CPU-seconds, {time.perf_counter() - started:.0f} s")
     return [(role, programs[role.program]) for role in roles]
 
 
@@ -149,7 +148,6 @@ def _run_program(config: Config, world_size: int, role: Role, pp_ranks: list[int
                  model_cfg) -> ProgramReport:
     """One step of the program of `role`'s first rank, on fake tensors; with pipelining also how
     many micro-batches the program's stages hold on each of `pp_ranks`, which run it too."""
-    started = time.perf_counter()
     distributed.init_fake_process_group(world_size, role.first_rank)
     try:
         # Meshes and the model's layout on `meta` first: building meshes reads real tensors.
@@ -176,7 +174,6 @@ def _run_program(config: Config, world_size: int, role: Role, pp_ranks: list[int
         # be handed these groups.
         _clear_sharding_prop_cache()
         clear_redistribute_planner_cache()
-    report.seconds = time.perf_counter() - started
     return report
 
 
@@ -381,7 +378,7 @@ def _describe_role(config: Config, mesh_spec: MeshSpec, role: Role, report: Prog
     offload = report.param_bytes + report.grad_bytes + report.optimizer_bytes if config.parallel.cpu_offload else 0
     peak, why = peak_of_role(report, role, offload)
     lines = [
-        f"ranks {rank_ranges(role.ranks)}{where} (run as rank {report.rank}, {report.seconds:.0f} s)",
+        f"ranks {rank_ranges(role.ranks)}{where} (run as rank {report.rank})",
         f"  parameters {bytes_text(report.param_bytes)}, gradients {bytes_text(report.grad_bytes)}, "
         f"optimizer state {bytes_text(report.optimizer_bytes)}" + (" (in host memory)" if offload else ""),
         f"  peak memory {bytes_text(peak)} {why}",
