@@ -73,7 +73,8 @@ def build_model_parts(config: Config, model_cfg: LlamaConfig, plan: Plan, mesh: 
         ep_dispatch=ep_dispatch or "alltoall",
         fp8_linear=precision.fp8_linear(t.fp8, device, float8_all_gather=t.fp8_all_gather),
         fp8_layers=fp8_layers(config, model_cfg.num_layers), fp8_head=t.fp8_head,
-        fuse_projections=t.fuse_projections, reshard_mode=p.fsdp_reshard_after_forward, cpu_offload=p.cpu_offload,
+        fuse_projections=t.fuse_projections, reshard_mode=p.fsdp_reshard_after_forward,
+        attention_kernel=t.attention_kernel, cpu_offload=p.cpu_offload,
     )
     if mesh_spec.pp == 1:
         model, ctx = parallelize(layers, **options)

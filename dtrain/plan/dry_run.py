@@ -90,6 +90,9 @@ def dry_run(config: Config) -> list[tuple[Role, ProgramReport]]:
     if isinstance(model_cfg, MoEConfig):
         raise UserError(f"--dry-run does not run mixture-of-experts models yet ({config.model.model}): their "
                         f"routing reads token counts that fake tensors do not hold; --print-plan shows the layout")
+    if model_cfg.sliding_window is not None or config.data.document_mask:
+        raise UserError("--dry-run does not apply sliding windows or document masks yet: their masks are built "
+                        "from token values that fake tensors do not hold; drop them for the dry run")
     if config.train.compile:
         # Compiling the blocks on fake tensors would take longer than the run; a compiled block's
         # fusions only lower its activations.
@@ -294,7 +297,7 @@ class _Step:
 
     def _stage_micro_batch(self, part, stage_id: int, num_stages: int) -> StageCost:
         tokens, aux = self._inputs()
-        part.stage_aux = aux
+        part.stage_auxes = [aux]  # the stage's forward without a micro-batch index reads the first
         received = tokens if stage_id == 0 else self._received_activation(tokens).requires_grad_()
         # As torch's PipelineStage: gradient sync off for every micro-batch; the schedule's final
         # reduce (`perform_reduce_grad`) reduce-scatters them once.
