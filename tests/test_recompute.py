@@ -83,10 +83,7 @@ def test_selective_recompute_reruns_element_wise_ops_only(one_rank_group):
 def test_every_recompute_mode_trains_to_the_same_losses(tmp_path):
     runs = {mode: train_scalars(tmp_path / mode, ["--recompute", mode, "--steps", "4"])
             for mode in recompute.RECOMPUTE_MODES}
-    # Partial: full recompute of the first two of the four blocks, selective on the others.
-    runs["selective + 2 full"] = train_scalars(tmp_path / "layers", ["--recompute", "selective", "--recompute-layers",
-                                                                    "2", "--steps", "4"])
-    for mode in ("selective", "full", "selective + 2 full"):
+    for mode in ("selective", "full"):
         assert len(runs[mode]["train/loss"]) == 4
         for step, (a, e) in enumerate(zip(runs[mode]["train/loss"], runs["none"]["train/loss"]), 1):
             assert abs(a - e) <= 1e-6 * abs(e), f"--recompute {mode} at step {step}: {a} vs {e}"
@@ -121,6 +118,8 @@ def _mm_calls_and_grads(recompute_args: list[str]):
 
 
 def test_recompute_layers_reruns_exactly_the_chosen_blocks(one_rank_group):
+    # Loss parity of the lever over several steps is a pipeline case (tests/test_pipeline_parallel.py);
+    # here, in one process: the chosen blocks' matmuls run twice and the gradients do not change.
     none, grads_none, num_layers = _mm_calls_and_grads([])
     every, _, _ = _mm_calls_and_grads(["--recompute", "full"])
     two, grads_two, _ = _mm_calls_and_grads(["--recompute-layers", "2"])
