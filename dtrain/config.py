@@ -49,7 +49,17 @@ class ParallelArgs:
                               choices=("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb", "zbv"))
     pp_virtual_stages: int = _field(1, "pipeline stages per rank (interleaved and V schedules)")
     pp_layout: str = _field("", "blocks per pipeline stage, e.g. 3,5,5,3 (default: balanced by cost)")
-    print_plan: bool = _field(False, "print every parameter's placements and local shape, then exit")
+    cpu_offload: bool = _field(False, "FSDP2's CPU offload: parameters, gradients and optimizer state live in host "
+                                      "memory, each block's parameters are copied in for its forward and backward, "
+                                      "and the optimizer steps on the CPU")
+    print_plan: bool = _field(False, "print every parameter's placements and local shape and the pipeline stages, "
+                                     "then exit")
+    dry_run: bool = _field(False, "run one training step of each distinct rank's program on fake tensors over a fake "
+                                  "process group of --world-size ranks, in this one process; print each rank's "
+                                  "parameter and optimizer bytes, collectives and peak memory, then exit")
+    dry_run_rank: int | None = _field(None, "with --dry-run: only this rank")
+    world_size: int | None = _field(None, "the number of ranks --dry-run and --print-plan plan for (default: "
+                                          "torchrun's, else the product of the --mesh sizes)")
 
 
 @attrs.frozen
@@ -112,6 +122,9 @@ class TrainArgs:
     fuse_projections: bool = _field(False, "one matmul for q/k/v and one for gate/up where the weights are "
                                            "whole on the rank (tp=1)")
     recompute: str = _field("none", "activation recompute of blocks", choices=("none", "selective", "full"))
+    recompute_layers: int = _field(0, "full recompute of the first N blocks of each pipeline stage (of the model "
+                                      "when pp=1), as Megatron's --recompute-num-layers with its block method; the "
+                                      "other blocks follow --recompute")
     run_dir: str = _field("runs/default", "directory for the resolved config, TensorBoard files and log")
     log_every: int = _field(1, "steps between console lines")
     checkpoint_every: int = _field(0, "steps between checkpoints in RUN_DIR/checkpoints (0: none); "

@@ -129,12 +129,12 @@ def set_collective_timeout(timeout_s: float, groups: list) -> None:
         c10d._set_pg_timeout(timeout, group)
 
 
-def init_fake_process_group(world_size: int) -> Runtime:
-    """A world of `world_size` ranks in this one process, seen from rank 0; no collective runs."""
+def init_fake_process_group(world_size: int, rank: int = 0) -> Runtime:
+    """A world of `world_size` ranks in this one process, seen from `rank`; no collective runs."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    return Runtime(0, world_size, torch.device("cpu"))
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    return Runtime(rank, world_size, torch.device("cpu"))
 
 
 def shutdown(after_error: bool = False) -> None:

@@ -1,4 +1,5 @@
-"""`python -m dtrain.run` (plain, or under torchrun): train, or print the sharding plan."""
+"""`python -m dtrain.run` (plain, or under torchrun): train, print the sharding plan, or dry-run
+every distinct rank of a world of any size."""
 
 from __future__ import annotations
 
@@ -26,19 +27,25 @@ def main(argv: list[str] | None = None) -> int:
     claim = None
     try:
         config = load_config(argv)
-        if rank == 0 and not config.parallel.print_plan:
+        planning = config.parallel.print_plan or config.parallel.dry_run
+        if rank == 0 and not planning:
             # The run directory's lock before anything touches the directory; a refusal reaches
             # every rank in train(). Before torch is imported: a restart that is refused costs a
             # second, not a start-up.
             claim = run_lock.take(config.train.run_dir)
             if claim.held:
                 failures.check_start(config.train.run_dir)
-        from dtrain.plan.describe import print_plan
-        from dtrain.train import train
+        if config.parallel.dry_run:
+            from dtrain.plan.dry_run import dry_run
 
-        if config.parallel.print_plan:
+            dry_run(config)
+        elif config.parallel.print_plan:
+            from dtrain.plan.describe import print_plan
+
             print_plan(config)
         else:
+            from dtrain.train import train
+
             train(config, claim=claim)
     except UserError as error:
         # A user's mistake: one line that says what to change, no traceback.

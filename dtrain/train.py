@@ -17,13 +17,21 @@ from dtrain.resilience import failures, run_lock
 from dtrain.resilience.heartbeat import Heartbeat, open_board
 from dtrain.resilience.watchdog import GRACE_S, Watchdog
 from dtrain.trainer import Trainer
+from models.errors import UserError
 
 
 def train(config: Config, before_step=None, claim: run_lock.Claim | None = None) -> list[dict[str, float]]:
     """Runs the configured training; returns every step's scalars (the loss on every rank).
     `claim`: rank 0's lock of the run directory when the caller took it (`run_lock.take`)."""
-    config = with_global_batch(config, distributed.world_size_from_env())
-    validate(config, distributed.world_size_from_env())
+    world_size = distributed.world_size_from_env()
+    planned = config.parallel.world_size
+    if planned is not None and planned != world_size:
+        raise UserError(f"--world-size {planned} is for --dry-run and --print-plan; this run has {world_size} "
+                        f"process(es): drop --world-size or start {planned}")
+    if config.parallel.dry_run_rank is not None:
+        raise UserError("--dry-run-rank needs --dry-run")
+    config = with_global_batch(config, world_size)
+    validate(config, world_size)
     t = config.train
     run_dir = Path(t.run_dir)
     watching = t.step_timeout > 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import signal
@@ -13,7 +12,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from dtrain import distributed
+from dtrain import build, distributed
+from dtrain.build import build_model_parts
 from dtrain.checkpoint.checkpointer import Checkpointer
 from dtrain.config import Config, to_toml
 from dtrain.data import TokenDataset
@@ -29,16 +29,14 @@ from dtrain.resilience.stragglers import Stragglers
 from dtrain.resilience.watchdog import Watchdog
 from models import families, flops, llama, masking, moe, spec
 from parallel import context_parallel, pipeline, precision
-from parallel.data_parallel import expert_parameters, rescale_expert_grads_
+from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
 from parallel.delayed_scaling import amax_reduction_dims
 from parallel.expert_parallel import choose_dispatch
 from parallel.gradients import clip_grads_
 from parallel.mesh import build_device_mesh, build_expert_mesh
-from parallel.parallelize import add_full_, parallelize
+from parallel.parallelize import add_full_
 
 logger = logging.getLogger("dtrain")
-
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class Trainer:
@@ -81,6 +79,8 @@ class Trainer:
         self.expert_params = expert_parameters(self.model_parts, self.plan)
         # Weights FSDP gathers in float8 get their scales from the updated values after each step.
         self.refresh_float8_scales = bool(precision.float8_gathered_params(self.model_parts))
+        # Under CPU offload the parameters are in host memory: the fused kernel steps them there
+        # in one pass, and takes the clip scale as it reads the gradients.
         self.optimizer = build_optimizer(self.model_parts, config.optim)
         self.scheduler = build_scheduler(self.optimizer, t.steps, config.optim)
         self.guard = StepGuard(max_skipped_steps=t.max_skipped_steps, spike_factor=t.skip_spikes,
@@ -105,8 +105,7 @@ class Trainer:
         self.dp_rank = (self.mesh.get_local_rank("dp_replicate") * self.mesh_spec.dp_shard
                         + self.mesh.get_local_rank("dp_shard"))
         # The loss is summed over the data-parallel ranks, and taken from the last pipeline stage.
-        self.loss_groups = [self.mesh.get_group(dim) for dim in ("dp_shard", "dp_replicate", "cp", "pp")
-                            if getattr(self.mesh_spec, dim) > 1]
+        self.loss_groups = build.loss_reduction_groups(self.mesh, self.mesh_spec)
         self.pp_group = self.mesh.get_group("pp") if self.mesh_spec.pp > 1 else None
         self.tp_group = self.mesh.get_group("tp") if self.mesh_spec.tp > 1 else None
         # Router statistics: every rank counts its own tokens; pipeline stages hold other layers.
@@ -141,35 +140,21 @@ class Trainer:
 
     def _build_model(self):
         """This rank's part of the model, laid out on the mesh; the pipeline runner if pp > 1."""
-        t, p = self.config.train, self.config.parallel
-        layers = families.layers(self.model_cfg)
-        build = functools.partial(
-            parallelize, plan=self.plan, mesh=self.mesh, device=self.runtime.device, seed=t.seed,
-            compute_dtype=COMPUTE_DTYPES[t.precision], recompute_mode=t.recompute,
-            compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm, expert_mesh=self.expert_mesh,
-            ep_dispatch=self.ep_dispatch or "alltoall",
-            fp8_linear=self.fp8,
-            fp8_layers=self._fp8_layers(), fp8_head=t.fp8_head, fuse_projections=t.fuse_projections,
-            reshard_mode=p.fsdp_reshard_after_forward, attention_kernel=t.attention_kernel,
-        )
+        built = build_model_parts(self.config, self.model_cfg, self.plan, self.mesh, expert_mesh=self.expert_mesh,
+                                  device=self.runtime.device, ep_dispatch=self.ep_dispatch,
+                                  fp8_linear=self.fp8)
         if self.mesh_spec.pp == 1:
-            model, ctx = build(layers)
-            return [model], ctx, None
-        pp = self.mesh_spec.pp
-        num_stages = pp * p.pp_virtual_stages
-        num_blocks = self.model_cfg.num_layers
-        counts = (pipeline.parse_layout(p.pp_layout, num_blocks, num_stages) if p.pp_layout
-                  else pipeline.balanced_layout(num_blocks, num_stages, *pipeline.layer_costs(layers)))
-        ids = pipeline.stage_ids(self.mesh.get_local_rank("pp"), pp, p.pp_virtual_stages, p.pp_schedule)
-        parts = [build(pipeline.stage_layers(layers, counts, i))[0] for i in ids]
-        d = self.config.data
+            return built.parts, built.ctx, None
+        p = self.config.parallel
+        num_microbatches = build.num_microbatches(self.config, self.mesh_spec)
         runner = pipeline.PipelineRunner(
-            parts, ids, num_stages, p.pp_schedule, d.global_batch // (d.micro_batch * self.mesh_spec.dp_size),
+            built.parts, built.stage_ids, len(built.blocks_per_stage), p.pp_schedule, num_microbatches,
             self.runtime.device, self.mesh.get_group("pp"), self.loss_scale,
         )
         if self.runtime.is_main:
-            logger.info("pipeline: %s, %d stages, blocks per stage %s", p.pp_schedule, num_stages, counts)
-        return parts, parts[0].ctx, runner
+            logger.info("pipeline: %s, %d stages, %d micro-batches per step, blocks per stage %s", p.pp_schedule,
+                        len(built.blocks_per_stage), num_microbatches, built.blocks_per_stage)
+        return built.parts, built.ctx, runner
 
     def _fp8_backend(self):
         """The FP8 matmuls' backend; delayed scaling reduces amaxes over the ranks holding other
@@ -179,12 +164,6 @@ class Trainer:
         return precision.fp8_backend(t.fp8, t.fp8_backend, self.runtime.device, float8_all_gather=t.fp8_all_gather,
                                      amax_groups=groups, grad_scale=self.loss_scale,
                                      amax_history_len=t.fp8_amax_history)
-
-    def _fp8_layers(self) -> frozenset[str]:
-        """The blocks whose matmuls run in FP8: all of them, or all but the first and last."""
-        num_layers = self.model_cfg.num_layers
-        keep = {0, num_layers - 1} if self.config.train.fp8_keep_ends else set()
-        return frozenset(f"blocks.{i}" for i in range(num_layers) if i not in keep)
 
     def parameters(self):
         return [param for part in self.model_parts for param in part.parameters()]
@@ -207,11 +186,7 @@ class Trainer:
         with self.ctx.kernel_scope():
             for index, (batch, aux) in enumerate(zip(micro_batches, auxes)):
                 if self.config.parallel.fsdp_reduce_once:
-                    # Gradients accumulate whole until the last backward, which reduce-scatters them;
-                    # parameters gathered by a backward stay gathered for the next micro-batch's forward.
-                    last = index == len(micro_batches) - 1
-                    self.model.set_requires_gradient_sync(last)
-                    self.model.set_reshard_after_backward(last)
+                    set_micro_batch_sync(self.model, last=index == len(micro_batches) - 1)
                 self.beat.phase("forward")
                 micro_loss = self.model(self._local(batch[0]), aux)
                 if loss_factor != 1.0:

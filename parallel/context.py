@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -26,6 +25,19 @@ from parallel.plan import Plan
 # cuDNN attention is the fastest on Hopper (BENCHMARKS.md), flash next. The memory-efficient
 # kernel is left out: it is slow and gives wrong gradients under load-balanced context parallelism.
 CUDA_ATTENTION_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def shard_extent(x: DTensor, dim: int) -> tuple[int, int]:
+    """The length and global offset of this rank's part of `x` along `dim` (Shard placements,
+    split left to right as torch.chunk does). Plain arithmetic: torch's own helper indexes tensors,
+    which a fake-tensor dry run cannot read."""
+    length, offset = x.shape[dim], 0
+    for mesh_dim, placement in enumerate(x.placements):
+        if placement.is_shard(dim):
+            chunk = -(-length // x.device_mesh.size(mesh_dim))
+            start = min(chunk * x.device_mesh.get_local_rank(mesh_dim), length)
+            length, offset = min(chunk, length - start), offset + start
+    return length, offset
 
 
 class ParallelContext(ExpertParallelContextMixin, LocalContext):
@@ -101,11 +113,11 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
             return super().embedding(tokens, weight)
         ids = tokens.to_local() if isinstance(tokens, DTensor) else tokens
         local_weight = weight.to_local()
-        rows, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        rows, offset = shard_extent(weight, 0)
         # Vocab-parallel lookup: each rank fills the rows of the ids it holds and zeros elsewhere;
         # the sum over the vocab shards (an all-reduce, or a reduce-scatter under SP) completes it.
-        outside = (ids < offset[0]) | (ids >= offset[0] + rows[0])
-        out = F.embedding((ids - offset[0]).masked_fill(outside, 0), local_weight)
+        outside = (ids < offset) | (ids >= offset + rows)
+        out = F.embedding((ids - offset).masked_fill(outside, 0), local_weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         vocab_dims = {weight.device_mesh.mesh_dim_names[i] for i, p in enumerate(weight.placements) if p.is_shard(0)}
         mesh = self.activation_mesh
@@ -145,9 +157,9 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
     @staticmethod
     def _kv_for_local_queries(kv: DTensor, q: DTensor) -> torch.Tensor:
         """The KV heads that this rank's query heads attend with, out of all (replicated) KV heads."""
-        local_shape, offset = compute_local_shape_and_global_offset(q.shape, q.device_mesh, q.placements)
+        heads, offset = shard_extent(q, 2)
         group = q.shape[2] // kv.shape[2]
-        first, last = offset[2] // group, (offset[2] + local_shape[2] - 1) // group
+        first, last = offset // group, (offset + heads - 1) // group
         # Each rank's slice gets its own gradient; they sum over tp into the replicated weight.
         grad_placements = [Partial() if p.is_shard(2) else p for p in q.placements]
         return kv.to_local(grad_placements=grad_placements)[:, :, first:last + 1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from parallel import precision
 from parallel.mesh import fsdp_shard_dim
@@ -26,7 +26,7 @@ def data_parallel_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
     return mesh[shard]
 
 
-def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, policy) -> None:
+def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, policy, offload: OffloadPolicy) -> None:
     """Expert weights (split over ep) are sharded over the ranks that hold the same experts:
     edp, with dp_replicate in front for HSDP."""
     spec = plan.mesh_spec
@@ -37,7 +37,7 @@ def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, poli
             continue
         # Gathered when the block reads its parameters, and kept until the backward is over:
         # the node has no tensor inputs, so FSDP reduces its gradients at the end of backward.
-        fully_shard(experts, mesh=expert_dp_mesh, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(experts, mesh=expert_dp_mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
 
 
 def expert_parameters(model_parts: list[ModelModule], plan: Plan) -> list[torch.Tensor]:
@@ -60,9 +60,19 @@ def rescale_expert_grads_(expert_params: list[torch.Tensor], plan: Plan, tp_grou
     torch._foreach_mul_(grads, 1.0 / plan.mesh_spec.ep)
     if plan.mesh_spec.tp > 1:
         # The tp ranks of one ep rank hold the same experts and saw different tokens.
-        flat = torch.cat([g.flatten() for g in grads])
+        # On the mesh's device: under CPU offload the gradients are in host memory.
+        flat = torch.cat([g.flatten() for g in grads]).to(expert_params[0].device_mesh.device_type)
         dist.all_reduce(flat, group=tp_group)
-        torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        torch._foreach_copy_(grads, [chunk.view_as(g).to(g.device) for chunk, g in
+                                     zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+def set_micro_batch_sync(model: ModelModule, last: bool) -> None:
+    """--fsdp-reduce-once, before each micro-batch: gradients accumulate whole until the last
+    backward, which reduce-scatters them; parameters a backward gathered stay gathered for the next
+    micro-batch's forward."""
+    model.set_requires_gradient_sync(last)
+    model.set_reshard_after_backward(last)
 
 
 def blocks_to_reshard(block_names: list[str], plan: Plan, mode: str = "default") -> set[str]:
@@ -83,15 +93,17 @@ def blocks_to_reshard(block_names: list[str], plan: Plan, mode: str = "default")
 
 
 def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtype: torch.dtype,
-               expert_mesh: DeviceMesh | None = None, reshard_mode: str = "default") -> None:
+               expert_mesh: DeviceMesh | None = None, reshard_mode: str = "default", cpu_offload: bool = False) -> None:
     dp_mesh = data_parallel_mesh(mesh, plan)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    common = dict(mesh=dp_mesh, mp_policy=policy)
+    # Pinned host memory makes the copies to and from the GPU asynchronous; there is none without one.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    common = dict(mesh=dp_mesh, mp_policy=policy, offload_policy=offload)
     # Before fully_shard, which takes the all-gather hooks of the parameters it shards: with
     # tensorwise FP8 the blocks' matmul weights are gathered in float8 (precision.py says when).
     precision.wrap_for_float8_all_gather(model, plan.mesh_spec, dp_mesh.device_type)
     if expert_mesh is not None:
-        _shard_experts(model, expert_mesh, plan, policy)
+        _shard_experts(model, expert_mesh, plan, policy, offload)
     resharded = blocks_to_reshard(list(model.blocks), plan, reshard_mode)
     for name, block in model.blocks.items():
         fully_shard(block, reshard_after_forward=name in resharded, **common)

@@ -37,6 +37,8 @@ ep groups) is still the data-parallel layer's job.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -198,8 +200,11 @@ def ep_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-# Compiled on first use only. Row counts differ every step: dynamic from the first compile.
-_compiled_grouped_swiglu = torch.compile(grouped_swiglu, dynamic=True)
+@functools.cache
+def _compiled(fn, **options):
+    """`torch.compile(fn, **options)`, made on first use: making it imports the compiler, which
+    costs every process seconds at start, compiling or not."""
+    return torch.compile(fn, **options)
 
 
 def _on_local_tensors(exchange, x, inputs: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
@@ -220,14 +225,12 @@ def experts_over_group(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tens
     graphs (the module docstring says why); `compile_experts` compiles the local experts' SwiGLU.
     With no group or ep == 1 this is the single-device path unchanged; the global expert count is
     `counts.numel()`."""
-    swiglu = _compiled_grouped_swiglu if compile_experts else grouped_swiglu
+    # Row counts differ every step: dynamic from the first compile.
+    swiglu = _compiled(grouped_swiglu, dynamic=True) if compile_experts else grouped_swiglu
     if ep_size(group) == 1:
         return swiglu(x, counts, w_gate, w_up, w_down)
     inputs = {"counts": counts, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
     return _on_local_tensors(expert_parallel_swiglu, x, inputs, group=group, swiglu=swiglu, num_experts=counts.shape[0])
-
-
-_compiled_tokens_allgather = torch.compile(expert_parallel_tokens_allgather)
 
 
 @torch.compiler.disable
@@ -238,7 +241,7 @@ def experts_on_tokens_by_allgather(x: torch.Tensor, expert_ids: torch.Tensor, we
     outside compiled graphs: traced inside the block, FSDP's gathered expert weights (DTensors)
     change requires_grad after the first step and the block compiles again. `compile_experts`
     compiles the exchange on its own, once (its shapes are static)."""
-    exchange = _compiled_tokens_allgather if compile_experts else expert_parallel_tokens_allgather
+    exchange = _compiled(expert_parallel_tokens_allgather) if compile_experts else expert_parallel_tokens_allgather
     # A DTensor weight has the global expert count as its shape; a plain one is this rank's block.
     num_experts = w_gate.shape[0] if isinstance(w_gate, DTensor) else w_gate.shape[0] * ep_size(group)
     inputs = {"expert_ids": expert_ids, "weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}

@@ -42,6 +42,9 @@ def global_grad_norm(params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup
         # One fused kernel for the norms of all shards of a group.
         partial = torch.stack(torch._foreach_norm(locals_)).float().pow(2).sum()
         mesh = meshes[key]
+        if mesh is not None:
+            # Under CPU offload the shards are in host memory; their norms reduce on the mesh's device.
+            partial = partial.to(mesh.device_type)
         for dim in key[1]:
             dist.all_reduce(partial, group=mesh.get_group(dim))
         total = partial if total is None else total + partial
@@ -69,5 +72,5 @@ def clip_grads_(params: Iterable[torch.Tensor], max_norm: float,
             optimizer.grad_scale = 1.0 / scale
         else:
             local_grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-            torch._foreach_mul_(local_grads, scale)
+            torch._foreach_mul_(local_grads, scale.to(local_grads[0].device))
     return norm

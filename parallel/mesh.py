@@ -86,6 +86,17 @@ class MeshSpec:
     def sizes(self) -> dict[str, int]:
         return {dim: getattr(self, dim) for dim in MESH_DIMS}
 
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """The place of `rank` on each mesh dim, as `build_device_mesh` lays the ranks out (row-major
+        over MESH_DIMS); with ep > 1 also on the expert mesh's `edp` and `ep` dims."""
+        coords, rest = {}, rank
+        for dim in reversed(MESH_DIMS):
+            rest, coords[dim] = divmod(rest, getattr(self, dim))
+        if self.ep > 1:
+            # The expert mesh sees the dp_shard x cp ranks as edp x ep (see build_expert_mesh).
+            coords["edp"], coords["ep"] = divmod(coords["dp_shard"] * self.cp + coords["cp"], self.ep)
+        return coords
+
     def __str__(self) -> str:
         return ",".join(f"{key}={getattr(self, key)}" for key in MESH_KEYS if getattr(self, key) > 1) or "single"
 

@@ -22,9 +22,14 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
                 cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None, ep_dispatch: str = "alltoall",
                 fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fp8_head: bool = False,
                 fuse_projections: bool = False, reshard_mode: str = "default", attention_kernel: str = "auto",
+                full_recompute: frozenset[str] = frozenset(), cpu_offload: bool = False,
                 ) -> tuple[ModelModule, ParallelContext]:
-    ctx = ParallelContext(plan, mesh, cp_method, expert_mesh, device=device, compute_dtype=compute_dtype,
-                          attention_kernel=attention_kernel)
+    """This rank's model: parameters placed by the plan, blocks wrapped for recompute (the blocks
+    named in `full_recompute` fully, the others by `recompute_mode`) and compile, FSDP2 applied.
+    On `device=meta` it stays without memory until `materialize`."""
+    # A model built on `meta` computes on the mesh's device (the dry run's fake tensors: the CPU).
+    ctx = ParallelContext(plan, mesh, cp_method, expert_mesh, device=device if device.type != "meta" else None,
+                          compute_dtype=compute_dtype, attention_kernel=attention_kernel)
     ctx.fuse_projections = fuse_projections
     ctx.compile_experts = compile_blocks
     ctx.ep_dispatch = ep_dispatch
@@ -53,7 +58,8 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
             module.ctx = ctx.with_fp8(layer_fp8[module.layer_name])
             module.forward_fn = layer_fp8[module.layer_name].wrap_forward(module.forward_fn)
     for block in model.blocks.values():
-        block.forward_fn = recompute.wrap(block.forward_fn, recompute_mode)
+        mode = "full" if block.layer_name in full_recompute else recompute_mode
+        block.forward_fn = recompute.wrap(block.forward_fn, mode)
         if compile_blocks:
             block.forward_fn = torch.compile(block.forward_fn)
     if compile_blocks and model.head is not None:
@@ -61,9 +67,9 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
         # fuses into a few passes instead of materialising fp32 logits.
         model.head.forward_fn = torch.compile(model.head.forward_fn)
     data_parallel.apply_fsdp(model, mesh, plan, compute_dtype=compute_dtype, expert_mesh=expert_mesh,
-                             reshard_mode=reshard_mode)
-    model.to_empty(device=device)
-    init_parameters(model, seed)
+                             reshard_mode=reshard_mode, cpu_offload=cpu_offload)
+    if device.type != "meta":
+        materialize(model, device, seed, cpu_offload=cpu_offload)
     return model, ctx
 
 
@@ -74,6 +80,13 @@ def _fp8_matmuls(layer_name: str, specs: dict[str, spec.ParamSpec]) -> int:
         return 1
     return sum(1 for name, param in specs.items()
                if name.startswith(layer_name + ".") and precision.is_fp8_matmul_weight(param.axes))
+
+
+def materialize(model: ModelModule, device: torch.device, seed: int, *, cpu_offload: bool = False) -> None:
+    """Memory for this rank's shards, set to the mesh-independent initial values: on `device`, or
+    in host memory under CPU offload (FSDP copies each block's shards in when it runs)."""
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    init_parameters(model, seed)
 
 
 def enable_async_tp(mesh: DeviceMesh) -> None:

@@ -73,6 +73,11 @@ def validate_schedule(schedule: str, pp: int, virtual: int, num_microbatches: in
         parse_layout(layout, num_blocks, num_stages)
 
 
+def ideal_bubble(pp: int, virtual: int, num_microbatches: int) -> float:
+    """The fraction of a step a stage waits in fill and drain: (p - 1) / (v m + p - 1)."""
+    return (pp - 1) / (virtual * num_microbatches + pp - 1)
+
+
 def parse_layout(layout: str, num_blocks: int, num_stages: int) -> list[int]:
     try:
         counts = [int(part) for part in layout.split(",")]
@@ -130,10 +135,7 @@ def layer_costs(layers: list[spec.Layer]) -> tuple[float, float]:
     return 0.0, matmul_params(layers[-1]) / block
 
 
-def build_schedule(stage_modules, stage_indices: list[int], num_stages: int, schedule: str,
-                   num_microbatches: int, loss_fn, device, group):
-    stages = [PipelineStage(module, index, num_stages, device, group=group)
-              for module, index in zip(stage_modules, stage_indices)]
+def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches: int, loss_fn):
     schedule_cls = SCHEDULES[schedule]
     if schedule in SPLIT_BACKWARD:
         # A compiled block's backward may not free ("donate") its saved buffers when the graph is
@@ -143,6 +145,33 @@ def build_schedule(stage_modules, stage_indices: list[int], num_stages: int, sch
     if schedule in SINGLE_STAGE:
         return schedule_cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
     return schedule_cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def activations_held(schedule, pp_rank: int, pp: int, stage_ids: list[int],
+                     num_microbatches: int) -> list[dict[int, int]]:
+    """How many micro-batches' activations each of this rank's stages holds after each step of
+    the schedule's order for this rank: a forward adds one, a full backward (or, in the
+    zero-bubble schedules, the weight pass after the input pass) frees one. Schedules without an
+    order table (single-stage ones on some torch versions) follow their definition: GPipe runs
+    every forward first; 1F1B runs pp - stage forwards before its first backward."""
+    order = getattr(schedule, "pipeline_order", None)
+    if order is None:
+        most = num_microbatches if isinstance(schedule, ScheduleGPipe) else min(pp - pp_rank, num_microbatches)
+        return [{stage_ids[0]: k} for k in range(1, most + 1)]
+    held = dict.fromkeys(stage_ids, 0)
+    profile = []
+    actions = [a for action in order.get(pp_rank, []) if action is not None
+               for a in (action.sub_actions or (action,))]
+    for action in actions:
+        kind = action.computation_type.value
+        if kind == "F":
+            held[action.stage_index] += 1
+        elif kind in ("B", "W"):
+            held[action.stage_index] -= 1
+        else:
+            continue
+        profile.append(dict(held))
+    return profile
 
 
 class PipelineRunner:
@@ -165,8 +194,9 @@ class PipelineRunner:
             return last.head_loss(hidden, attrs.evolve(self.head_aux, labels=labels)) * self.loss_scale
 
         self.loss_scale = loss_scale
-        self.schedule = build_schedule(parts, stage_indices, num_stages, schedule, num_microbatches,
-                                       loss_fn, device, group)
+        self.stages = [PipelineStage(module, index, num_stages, device, group=group)
+                       for module, index in zip(parts, stage_indices)]
+        self.schedule = build_schedule(self.stages, schedule, num_microbatches, loss_fn)
 
     def step(self, inputs, labels, auxes: list, loss_factor: float = 1.0) -> torch.Tensor:
         """Forward and backward of all micro-batches (`auxes`: each one's aux, in order); the summed

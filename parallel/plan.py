@@ -14,7 +14,6 @@ dp_replicate > 1), as `data_parallel_axes` says.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, Union
 
@@ -184,23 +183,29 @@ class Plan:
             layout[dim] = "R" if dim == "dp_replicate" else "S(0)"
         return {dim: layout[dim] for dim in MESH_DIMS if dim in layout}
 
-    def local_shape(self, shape: tuple[int, ...], axes: tuple[str, ...]) -> tuple[int, ...]:
-        """The shard shape on the first rank (uneven splits round up, like torch.chunk)."""
+    def local_shape(self, shape: tuple[int, ...], axes: tuple[str, ...],
+                    coordinates: Mapping[str, int] | None = None) -> tuple[int, ...]:
+        """The shard shape on the rank at `coordinates` (`MeshSpec.coordinates`; default: the first
+        rank). Splits follow torch.chunk: uneven ones leave the last ranks less, or nothing."""
+        at = coordinates or {}
         local = list(shape)
         sizes = self.mesh_spec.sizes()
+
+        def split(dim: int, parts: int, index: int) -> None:
+            chunk = -(-local[dim] // parts)
+            local[dim] = max(0, min(chunk, local[dim] - chunk * index))
+
         if self.is_expert(axes) and self.mesh_spec.ep > 1:
             for placement in self.expert_placements(axes):
                 if isinstance(placement, Shard):
-                    local[placement.dim] = math.ceil(local[placement.dim] / self.mesh_spec.ep)
-            edp = sizes["dp_shard"] * sizes["cp"] // self.mesh_spec.ep
-            local[0] = math.ceil(local[0] / edp)
+                    split(placement.dim, self.mesh_spec.ep, at.get("ep", 0))
+            split(0, sizes["dp_shard"] * sizes["cp"] // self.mesh_spec.ep, at.get("edp", 0))
             return tuple(local)
         for dim, placement in zip(self.param_mesh_dims, self.param_placements(axes)):
             if isinstance(placement, Shard):
-                local[placement.dim] = math.ceil(local[placement.dim] / sizes[dim])
-        fsdp_ranks = sizes["dp_shard"] * sizes["cp"]
-        if fsdp_ranks > 1:
-            local[0] = math.ceil(local[0] / fsdp_ranks)
+                split(placement.dim, sizes[dim], at.get(dim, 0))
+        # FSDP shards dim 0 over dp_shard x cp, one flattened dim (dp_shard outer).
+        split(0, sizes["dp_shard"] * sizes["cp"], at.get("dp_shard", 0) * sizes["cp"] + at.get("cp", 0))
         return tuple(local)
 
     def describe(self, layers: list[spec.Layer]) -> str:

@@ -1,6 +1,11 @@
 """Activation recompute of blocks: none, selective (keep the outputs of matmuls, grouped GEMMs,
 attention, collectives and FP8 amaxes; recompute the cheap element-wise ops and norms) or full
-(keep only the block input)."""
+(keep only the block input).
+
+Partial recompute (`--recompute-layers N`, Megatron's `--recompute-num-layers` with its block
+method): full recompute of the first N blocks of every pipeline stage, the others in the run's
+mode. Each stage holds its own micro-batches in flight, so the saving is N blocks' activations
+times that number on every stage."""
 
 from __future__ import annotations
 
@@ -63,6 +68,26 @@ def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _selective_contexts():
     return create_selective_checkpoint_contexts(_keep_expensive)
+
+
+def full_recompute_blocks(blocks_per_stage: list[int], num_layers: int) -> frozenset[str]:
+    """The layer names (`blocks.I`) of the first `num_layers` blocks of each stage."""
+    names, first = [], 0
+    for count in blocks_per_stage:
+        names += [f"blocks.{first + i}" for i in range(min(num_layers, count))]
+        first += count
+    return frozenset(names)
+
+
+def validate_partial(num_layers: int, mode: str, blocks_per_stage: list[int]) -> None:
+    if num_layers < 0:
+        raise UserError(f"--recompute-layers {num_layers} must be >= 0")
+    if num_layers and mode == "full":
+        raise UserError(f"--recompute-layers {num_layers} picks blocks for full recompute, but --recompute full "
+                        f"already recomputes every block; use --recompute none or selective with it")
+    if num_layers > max(blocks_per_stage):
+        raise UserError(f"--recompute-layers {num_layers} is more than the {max(blocks_per_stage)} blocks of the "
+                        f"largest pipeline stage; use at most {max(blocks_per_stage)}, or --recompute full")
 
 
 def wrap(forward: Callable, mode: str) -> Callable:

@@ -18,6 +18,12 @@ BAD_INPUTS = [
     (["--tokenizer", "/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json"),
     (["--resume", "/nonexistent/step_000100"], "--resume /nonexistent/step_000100: no such checkpoint"),
     (["--checkpoint-every", "-5"], "--checkpoint-every -5 must be >= 0"),
+    (["--recompute-layers", "5"], "--recompute-layers 5 is more than the 4 blocks of the largest pipeline stage"),
+    (["--recompute-layers", "-1"], "--recompute-layers -1 must be >= 0"),
+    (["--recompute", "full", "--recompute-layers", "1"], "--recompute full already recomputes every block"),
+    (["--cpu-offload", "--fp8", "tensorwise"], "add --no-fp8-all-gather"),
+    (["--world-size", "2"], "--world-size 2 is for --dry-run and --print-plan; this run has 1 process"),
+    (["--dry-run-rank", "0"], "--dry-run-rank needs --dry-run"),
 ]
 
 
@@ -52,6 +58,26 @@ def test_print_plan_shows_placements_without_a_world(capsys):
     row = next(line for line in out.splitlines() if line.startswith("blocks.0.mlp.w_down"))
     # [4096, 14336]: tp splits the input dim (14336 / 2), FSDP dim 0 over dp_shard (4096 / 4).
     assert row.split()[1:] == ["embed,mlp", "dp_shard:S(0)", "tp:S(1)", "4096x14336", "1024x7168"]
+
+
+def test_print_plan_shows_the_pipeline_stages_and_takes_enough_micro_batches(capsys):
+    # The card's command as typed: no --global-batch, so the pipeline takes 2 x pp micro-batches.
+    assert main(["--model", "llama3-70b", "--mesh", "tp=8,pp=8,cp=2", "--print-plan"]) == 0
+    out = capsys.readouterr().out
+    lines = out[out.index("pipeline: 1f1b, 8 stages"):].splitlines()
+    assert "16 micro-batches per step" in lines[0]
+    rows = [line.split() for line in lines[2:10]]
+    assert [int(row[0]) for row in rows] == list(range(8))
+    assert sum(int(row[1]) for row in rows) == 80  # every block on exactly one stage
+    assert rows[0][2:4] == ["embedding", "+"] and rows[-1][-3:-2] == ["head"]
+    # pp is the outermost mesh dim: pipeline rank r holds ranks 16r .. 16r + 15.
+    assert [row[-1] for row in rows] == [f"{16 * r}-{16 * r + 15}" for r in range(8)]
+
+
+def test_print_plan_plans_for_world_size(capsys):
+    assert main(["--model", "llama3-70b", "--mesh", "tp=8,pp=8", "--world-size", "1024", "--print-plan"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh: pp=8,dp_shard=16,tp=8 (world size 1024)" in out and "0-127" in out
 
 
 def test_run_dir_holds_config_log_and_tensorboard(tmp_path):

@@ -1,4 +1,5 @@
-"""Loss parity of FSDP and HSDP against one process (CPU, gloo, fp32)."""
+"""Loss parity of FSDP and HSDP against one process (CPU, gloo, fp32), with and without CPU
+offload, and on a GPU that offloaded shards stay in host memory."""
 
 import re
 
@@ -24,6 +25,8 @@ def _assert_close(actual, expected, rtol, what):
 @pytest.mark.parametrize("mesh,nproc,extra", [
     ("dp=2", 2, []), ("dp_replicate=2,dp_shard=2", 4, []), ("dp=2", 2, ["--fsdp-reshard-after-forward", "never"]),
     ("dp=2", 2, ["--fsdp-reduce-once"]),  # two micro-batches per rank: one reduce-scatter after both
+    # Shards in host memory, AdamW's fused kernel on the CPU (foreach in the reference).
+    ("dp=2", 2, ["--cpu-offload"]),
 ])
 def test_data_parallel_matches_one_process(single_run, tmp_path, mesh, nproc, extra):
     parallel = train_scalars(tmp_path, ["--mesh", mesh, *extra], nproc=nproc)
@@ -74,3 +77,35 @@ def test_reduce_once_reduces_gradients_once_per_step(tmp_path):
     # With --fsdp-reduce-once each group (reduced once per step) skips one gather per step: the
     # second forward's.
     assert gather_each - gather_once == reduce_once, counts
+
+
+@pytest.mark.gpu
+def test_cpu_offload_keeps_shards_in_host_memory_on_a_gpu(tmp_path):
+    """`python -m pytest -m gpu tests/test_data_parallel.py -k offload` on one GPU: the shards and
+    the optimizer state live on the CPU while the step runs on the GPU, with the same losses."""
+    import torch
+
+    from dtrain import distributed
+    from dtrain.config import load_config
+    from dtrain.plan.validate import validate, with_global_batch
+    from dtrain.trainer import Trainer
+
+    histories = {}
+    for offload in (False, True):
+        args = [*TINY_ARGS, "--steps", "4", "--run-dir", str(tmp_path / str(offload))]
+        config = with_global_batch(load_config(args + (["--cpu-offload"] if offload else [])), 1)
+        validate(config, 1)
+        runtime = distributed.init_process_group()
+        try:
+            trainer = Trainer(config, runtime)
+            histories[offload] = trainer.fit()
+            devices = {p.to_local().device.type for p in trainer.parameters()}
+            states = {t.device.type for s in trainer.optimizer.state.values() for t in s.values()}
+            assert devices == ({"cpu"} if offload else {"cuda"}), devices
+            if offload:
+                assert states == {"cpu"} and trainer.optimizer.defaults["fused"]
+                assert torch.cuda.max_memory_allocated() > 0  # the blocks ran on the GPU
+        finally:
+            distributed.shutdown()
+    for step, (a, b) in enumerate(zip(histories[False], histories[True]), 1):
+        assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5 * abs(a["train/loss"]), step

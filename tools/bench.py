@@ -222,6 +222,7 @@ def _flag_value(args: list[str], flag: str, default: str) -> str:
 def bubbles(path: Path) -> str:
     """The measured and ideal pipeline bubble of every pair of runs that differ only in the
     number of micro-batches per step (m and 2m)."""
+    from parallel import pipeline
     from parallel.mesh import MeshSpec
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
@@ -244,8 +245,7 @@ def bubbles(path: Path) -> str:
         measured = 1 - m * per_micro_batch / t_m
         schedule = _flag_value(r["args"], "--pp-schedule", "1f1b")
         v = int(_flag_value(r["args"], "--pp-virtual-stages", "1"))
-        p = spec.pp
-        ideal = (p - 1) / (v * m + p - 1)
+        ideal = pipeline.ideal_bubble(spec.pp, v, m)
         lines.append(f"| {shape} | {mesh} | {schedule} | {v} | {m} | {t_m:.3f} s | {t_2m:.3f} s | "
                      f"{100 * measured:.1f}% | {100 * ideal:.1f}% |")
     return "\n".join(lines)

@@ -3,19 +3,25 @@ before any work is done, and the sharding plan the checked configuration resolve
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import attrs
 import torch
 
+from dtrain import build
 from dtrain.config import Config
 from dtrain.data import validate_data_args
 from models.config import LlamaConfig, MoEConfig, get_model_config
 from models.errors import UserError
-from parallel import pipeline, precision
+from parallel import pipeline, precision, recompute
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
 
+logger = logging.getLogger("dtrain")
+
+# Micro-batches per step per pipeline stage when --global-batch is not given (see with_global_batch).
+DEFAULT_MICROBATCHES_PER_STAGE = 2
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -28,6 +34,8 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     _check_model_split(config, model_cfg, mesh_spec)
     _check_sequence_split(config, model_cfg, mesh_spec)
     _check_options(config, model_cfg, mesh_spec)
+    recompute.validate_partial(config.train.recompute_layers, config.train.recompute,
+                               build.blocks_per_stage(config, model_cfg, mesh_spec))
     validate_data_args(config.data.data, config.data.tokenizer, config.data.split,
                        config.data.synthetic_document_length)
     return mesh_spec, model_cfg
@@ -108,6 +116,9 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
     t, p, tp = config.train, config.parallel, mesh_spec.tp
     if p.async_tp and not (t.compile and p.sequence_parallel and tp > 1 and torch.cuda.is_available()):
         raise UserError("--async-tp needs --compile, --sequence-parallel, a mesh with tp > 1 and CUDA GPUs")
+    if p.cpu_offload and t.fp8 == "tensorwise" and t.fp8_all_gather:
+        raise UserError("--cpu-offload keeps the weights' shards in host memory, where the float8 all-gather's "
+                        "scales cannot be computed; add --no-fp8-all-gather (the FP8 matmuls stay)")
     if t.fp8_head and t.fp8 is None:
         raise UserError("--fp8-head runs the output projection in FP8; give --fp8 RECIPE with it")
     if t.fp8 is not None:
@@ -133,11 +144,22 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
 
 
 def with_global_batch(config: Config, world_size: int) -> Config:
-    """`--global-batch` unset means one micro-batch per data-parallel rank."""
-    if config.data.global_batch is not None:
+    """`--global-batch` unset means one micro-batch per data-parallel rank, and with pp > 1,
+    2 x pp of them: enough for every schedule (a multiple of pp) and a bubble of at most a third
+    with 1F1B, (pp - 1) / (3 pp - 1), where pp would leave it near a half. 1F1B holds at most pp
+    micro-batches on a stage whatever the number per step; GPipe and looped BFS hold all of them."""
+    d, p = config.data, config.parallel
+    if d.global_batch is not None:
         return config
-    dp_size = MeshSpec.parse(config.parallel.mesh, world_size).dp_size
-    return attrs.evolve(config, data=attrs.evolve(config.data, global_batch=config.data.micro_batch * dp_size))
+    mesh_spec = MeshSpec.parse(p.mesh, world_size)
+    per_rank = 1 if mesh_spec.pp == 1 else DEFAULT_MICROBATCHES_PER_STAGE * mesh_spec.pp
+    config = attrs.evolve(config, data=attrs.evolve(d, global_batch=d.micro_batch * mesh_spec.dp_size * per_rank))
+    if mesh_spec.pp > 1:
+        bubble = pipeline.ideal_bubble(mesh_spec.pp, p.pp_virtual_stages, per_rank)
+        logger.info("pipeline: no --global-batch given: %d micro-batches of %d per step on each data-parallel rank "
+                    "(2 x pp=%d; ideal %s bubble %.0f%%), global batch %d; set --global-batch to choose",
+                    per_rank, d.micro_batch, mesh_spec.pp, p.pp_schedule, 100 * bubble, config.data.global_batch)
+    return config
 
 
 def build_plan(config: Config, mesh_spec: MeshSpec, model_cfg: LlamaConfig) -> Plan:

@@ -1,0 +1,86 @@
+"""This rank's model from a checked configuration: the layers split over pipeline stages, and each
+of this rank's stages laid out on the mesh by `parallelize`. The trainer and the dry run build it
+here, so the dry run runs the program a real run would."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtrain.config import Config
+from models import families
+from models.config import LlamaConfig
+from parallel import pipeline, recompute
+from parallel.context import ParallelContext
+from parallel.mesh import MeshSpec
+from parallel.modules import ModelModule
+from parallel.parallelize import parallelize
+from parallel.plan import Plan
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@attrs.frozen
+class ModelParts:
+    """This rank's stages of the model (the whole model when pp=1) and where they sit."""
+
+    parts: list[ModelModule]
+    ctx: ParallelContext
+    stage_ids: list[int]
+    blocks_per_stage: list[int]  # over all pp x virtual stages; [num_layers] when pp=1
+
+
+def blocks_per_stage(config: Config, model_cfg: LlamaConfig, mesh_spec: MeshSpec) -> list[int]:
+    """The pipeline split: `--pp-layout` as given, else balanced by cost."""
+    p, num_blocks = config.parallel, model_cfg.num_layers
+    if mesh_spec.pp == 1:
+        return [num_blocks]
+    num_stages = mesh_spec.pp * p.pp_virtual_stages
+    if p.pp_layout:
+        return pipeline.parse_layout(p.pp_layout, num_blocks, num_stages)
+    return pipeline.balanced_layout(num_blocks, num_stages, *pipeline.layer_costs(families.layers(model_cfg)))
+
+
+def num_microbatches(config: Config, mesh_spec: MeshSpec) -> int:
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    d = config.data
+    return d.global_batch // (d.micro_batch * mesh_spec.dp_size)
+
+
+def loss_reduction_groups(mesh: DeviceMesh, mesh_spec: MeshSpec) -> list:
+    """The groups a step's loss is summed over: the data-parallel ranks, and the last pipeline stage."""
+    return [mesh.get_group(dim) for dim in ("dp_shard", "dp_replicate", "cp", "pp") if getattr(mesh_spec, dim) > 1]
+
+
+def fp8_layers(config: Config, num_layers: int) -> frozenset[str]:
+    """The blocks whose matmuls run in FP8: all of them, or all but the first and last."""
+    keep = {0, num_layers - 1} if config.train.fp8_keep_ends else set()
+    return frozenset(f"blocks.{i}" for i in range(num_layers) if i not in keep)
+
+
+def build_model_parts(config: Config, model_cfg: LlamaConfig, plan: Plan, mesh: DeviceMesh, *,
+                      expert_mesh: DeviceMesh | None, device: torch.device, ep_dispatch: str | None,
+                      fp8_linear=None) -> ModelParts:
+    """This rank's stages, laid out on the mesh. On `device=meta` they have no memory yet
+    (`parallel.parallelize.materialize` gives them some). `fp8_linear`: the FP8 matmuls' backend
+    (`parallel.precision.fp8_backend`), None without --fp8."""
+    t, p, mesh_spec = config.train, config.parallel, plan.mesh_spec
+    layers = families.layers(model_cfg)
+    counts = blocks_per_stage(config, model_cfg, mesh_spec)
+    options = dict(
+        plan=plan, mesh=mesh, device=device, seed=t.seed, compute_dtype=COMPUTE_DTYPES[t.precision],
+        recompute_mode=t.recompute, full_recompute=recompute.full_recompute_blocks(counts, t.recompute_layers),
+        compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm, expert_mesh=expert_mesh,
+        ep_dispatch=ep_dispatch or "alltoall",
+        fp8_linear=fp8_linear,
+        fp8_layers=fp8_layers(config, model_cfg.num_layers), fp8_head=t.fp8_head,
+        fuse_projections=t.fuse_projections, reshard_mode=p.fsdp_reshard_after_forward,
+        attention_kernel=t.attention_kernel, cpu_offload=p.cpu_offload,
+    )
+    if mesh_spec.pp == 1:
+        model, ctx = parallelize(layers, **options)
+        return ModelParts([model], ctx, [0], counts)
+    ids = pipeline.stage_ids(mesh.get_local_rank("pp"), mesh_spec.pp, p.pp_virtual_stages, p.pp_schedule)
+    parts = [parallelize(pipeline.stage_layers(layers, counts, i), **options)[0] for i in ids]
+    return ModelParts(parts, parts[0].ctx, ids, counts)

@@ -1,0 +1,397 @@
+"""`--dry-run`: one training step of the real program of every distinct rank of a world of any
+size, on fake tensors over a fake process group, in this one process.
+
+    python -m dtrain.run --dry-run --world-size 128 --model llama3-70b --mesh tp=8,pp=8,cp=2
+
+The configuration is checked as a real run checks it (the same one-line errors), the ranks are
+grouped into roles (`roles.py`), and for each program one rank of it builds its model with the
+trainer's own code (`dtrain.build`: parallelize, pipeline split, FSDP), materializes it, and runs
+forward, backward, gradient clipping and the AdamW step as on GPUs (the fused kernel), while
+`accounting.py` counts its live bytes and its collectives.
+
+A pipeline schedule needs its peers, so a pipelined rank runs its stages' own forward and
+backward, as torch's PipelineStage drives them (gradient sync off until the schedule's final
+reduce, which is torch's own `perform_reduce_grad`): one micro-batch that gathers the parameters,
+then one in steady state, counted m - 1 times for the m micro-batches of a step. The schedule's
+order (`pipeline.activations_held`) says how many micro-batches' activations each stage holds at
+once; the peak is then what stays through the step (parameters, gathered parameters, gradients)
++ the activations held at the fullest point + the largest working memory of one backward beyond
+its own activations. The sends and receives between stages are counted from the activation each
+stage passes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+from dtrain import build, distributed
+from dtrain.config import Config
+from dtrain.optim import build_optimizer
+from dtrain.plan.accounting import Accounting, CollectiveTally
+from dtrain.plan.describe import planned_world_size, rank_ranges, stage_text
+from dtrain.plan.roles import Role, find_roles
+from dtrain.plan.validate import build_plan, validate, with_global_batch
+from models import families
+from models.config import MoEConfig
+from models.errors import UserError
+from models.llama import RESIDUAL
+from parallel import context_parallel, pipeline, precision
+from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
+from parallel.expert_parallel import choose_dispatch
+from parallel.gradients import clip_grads_
+from parallel.mesh import FSDP_SHARD_DIM, MESH_DIMS, MeshSpec, build_device_mesh, build_expert_mesh
+from parallel.parallelize import materialize
+from parallel.recompute import full_recompute_blocks
+
+
+@attrs.define
+class StageCost:
+    """One micro-batch through one of the rank's stages, in steady state."""
+
+    activation_bytes: int  # what its forward keeps for the backward
+    backward_extra_bytes: int  # the backward's working memory beyond those activations
+    input_bytes: int  # the activation received from the previous stage (0 on the first)
+    output_bytes: int  # the activation sent to the next stage (0 on the last)
+
+
+@attrs.define
+class ProgramReport:
+    """One program's step, measured on its first rank."""
+
+    rank: int
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    kept_bytes: int = 0  # live through the micro-batches: parameters, gathered parameters, gradients
+    phase_peaks: dict[str, int] = attrs.field(factory=dict)  # the peak of each phase as it ran
+    stages: list[StageCost] = attrs.field(factory=list)
+    collectives: dict = attrs.field(factory=lambda: defaultdict(CollectiveTally))
+    # pipelined: pp rank -> the micro-batches each stage holds after each step of the schedule
+    held: dict[int, list[dict[int, int]]] = attrs.field(factory=dict)
+
+
+def dry_run(config: Config) -> list[tuple[Role, ProgramReport]]:
+    """Checks the configuration as a real run does, then runs and prints every role; returns
+    each role with the report of its program."""
+    started, cpu_started = time.perf_counter(), time.process_time()
+    p = config.parallel
+    world_size = MeshSpec.parse(p.mesh, planned_world_size(config)).world_size
+    config = with_global_batch(config, world_size)
+    mesh_spec, model_cfg = validate(config, world_size)
+    if isinstance(model_cfg, MoEConfig):
+        raise UserError(f"--dry-run does not run mixture-of-experts models yet ({config.model.model}): their "
+                        f"routing reads token counts that fake tensors do not hold; --print-plan shows the layout")
+    if model_cfg.sliding_window is not None or config.data.document_mask:
+        raise UserError("--dry-run does not apply sliding windows or document masks yet: their masks are built "
+                        "from token values that fake tensors do not hold; drop them for the dry run")
+    if config.train.fp8 is not None and config.train.fp8_backend == "te":
+        raise UserError("--dry-run does not run Transformer Engine's FP8 kernels (CUDA only); use "
+                        "--fp8-backend torchao for the dry run, whose FP8 casts run on fake tensors")
+    if config.train.compile:
+        # Compiling the blocks on fake tensors would take longer than the run; a compiled block's
+        # fusions only lower its activations.
+        print("dry run: --compile is left out, blocks run eagerly")
+        config = attrs.evolve(config, train=attrs.evolve(config.train, compile=False))
+    if p.dry_run_rank is not None and not 0 <= p.dry_run_rank < world_size:
+        raise UserError(f"--dry-run-rank {p.dry_run_rank} is not a rank of a world of {world_size}; "
+                        f"use 0..{world_size - 1}")
+    plan = build_plan(config, mesh_spec, model_cfg)
+    counts = build.blocks_per_stage(config, model_cfg, mesh_spec)
+    full = full_recompute_blocks(counts, config.train.recompute_layers)
+    fp8 = build.fp8_layers(config, model_cfg.num_layers) if config.train.fp8 else frozenset()
+    roles = find_roles(plan, model_cfg, counts, schedule=p.pp_schedule, virtual=p.pp_virtual_stages,
+                       seq_len=config.data.seq_len, layer_flags=lambda name: (name in full, name in fp8))
+    if p.dry_run_rank is not None:
+        role = next(r for r in roles if p.dry_run_rank in r.ranks)
+        roles = [attrs.evolve(role, ranks=(p.dry_run_rank,))]
+    m = build.num_microbatches(config, mesh_spec)
+    print(_header(config, mesh_spec, world_size, m, roles, counts), flush=True)
+    programs: dict = {}
+    for role in roles:
+        if role.program not in programs:
+            same = [r.pp_rank for r in roles if r.program == role.program]
+            programs[role.program] = _run_program(config, world_size, role, same, mesh_spec, model_cfg)
+        print(_describe_role(config, mesh_spec, role, programs[role.program], counts), flush=True)
+    print(f"dry run: {len(roles)} role(s), {len(programs)} program(s) run in {time.process_time() - cpu_started:.0f} "
+          f"CPU-seconds, {time.perf_counter() - started:.0f} s")
+    return [(role, programs[role.program]) for role in roles]
+
+
+def _header(config: Config, mesh_spec: MeshSpec, world_size: int, m: int, roles: list[Role], counts) -> str:
+    d, p = config.data, config.parallel
+    lines = [f"dry run: {config.model.model} on {world_size} ranks, mesh {mesh_spec}, seq {d.seq_len}, "
+             f"micro-batch {d.micro_batch}, global batch {d.global_batch} ({m} micro-batches per step per "
+             f"data-parallel rank), {config.train.precision}, recompute {config.train.recompute}"
+             + (f" + full on {config.train.recompute_layers} blocks per stage" if config.train.recompute_layers else "")
+             + (", CPU offload" if p.cpu_offload else "")]
+    if mesh_spec.pp > 1:
+        lines.append(f"pipeline: {p.pp_schedule}, {len(counts)} stages, blocks per stage {counts}")
+    lines.append(f"{len(roles)} role(s) of rank: ranks that differ only in their data-parallel coordinate (or in "
+                 f"their tp, cp or ep coordinate where every split is even) run the same program")
+    return "\n".join(lines)
+
+
+def _mesh_groups(mesh, expert_mesh, mesh_spec: MeshSpec) -> dict[str, dist.ProcessGroup]:
+    groups = {dim: mesh.get_group(dim) for dim in MESH_DIMS if getattr(mesh_spec, dim) > 1}
+    if mesh_spec.dp_shard > 1 and mesh_spec.cp > 1:
+        groups[FSDP_SHARD_DIM] = mesh.get_group(FSDP_SHARD_DIM)
+    if expert_mesh is not None:
+        groups.update({dim: expert_mesh.get_group(dim) for dim in ("edp", "ep") if expert_mesh.size(
+            expert_mesh.mesh_dim_names.index(dim)) > 1})
+    return groups
+
+
+def _run_program(config: Config, world_size: int, role: Role, pp_ranks: list[int], mesh_spec: MeshSpec,
+                 model_cfg) -> ProgramReport:
+    """One step of the program of `role`'s first rank, on fake tensors; with pipelining also how
+    many micro-batches the program's stages hold on each of `pp_ranks`, which run it too."""
+    distributed.init_fake_process_group(world_size, role.first_rank)
+    try:
+        # Meshes and the model's layout on `meta` first: building meshes reads real tensors.
+        mesh = build_device_mesh(mesh_spec, "cpu")
+        expert_mesh = build_expert_mesh(mesh_spec, "cpu")
+        plan = build_plan(config, mesh_spec, model_cfg)
+        ep_dispatch = (choose_dispatch(config.parallel.ep_dispatch, mesh_spec.ep, model_cfg.top_k,
+                                       dropless=model_cfg.capacity_factor is None) if mesh_spec.ep > 1 else None)
+        built = build.build_model_parts(config, model_cfg, plan, mesh, expert_mesh=expert_mesh,
+                                        device=torch.device("meta"), ep_dispatch=ep_dispatch,
+                                        fp8_linear=precision.fp8_linear(config.train.fp8, torch.device("cpu"),
+                                                                        config.train.fp8_all_gather))
+        with FakeTensorMode(allow_non_fake_inputs=True), Accounting(_mesh_groups(mesh, expert_mesh, mesh_spec)) as acct:
+            step = _Step(config, mesh_spec, model_cfg, mesh, plan, built, acct, role.first_rank)
+            report = step.run()
+            if mesh_spec.pp > 1:
+                for pp_rank in pp_ranks:
+                    ids = pipeline.stage_ids(pp_rank, mesh_spec.pp, config.parallel.pp_virtual_stages,
+                                             config.parallel.pp_schedule)
+                    report.held[pp_rank] = pipeline.activations_held(step.runner.schedule, pp_rank, mesh_spec.pp,
+                                                                     ids, step.m)
+    finally:
+        dist.destroy_process_group()
+        # DTensor caches its sharding decisions and redistribution plans by mesh, and a mesh of
+        # the next fake world (seen from another rank) compares equal to this one's: it must not
+        # be handed these groups.
+        _clear_sharding_prop_cache()
+        clear_redistribute_planner_cache()
+    return report
+
+
+class _Step:
+    """The trainer's step, phase by phase, with what each phase costs."""
+
+    def __init__(self, config: Config, mesh_spec: MeshSpec, model_cfg, mesh, plan, built: build.ModelParts,
+                 acct: Accounting, rank: int):
+        self.config, self.mesh_spec, self.model_cfg, self.mesh, self.plan = config, mesh_spec, model_cfg, mesh, plan
+        self.built, self.acct = built, acct
+        self.report = ProgramReport(rank)
+        self.runner = None
+        self.m = build.num_microbatches(config, mesh_spec)
+
+    def run(self) -> ProgramReport:
+        config, acct, parts = self.config, self.acct, self.built.parts
+        for part in parts:
+            materialize(part, torch.device("cpu"), config.train.seed, cpu_offload=config.parallel.cpu_offload)
+        self._phase_done("initialization", times=1)
+        # The fused AdamW kernel, as on GPUs (foreach would add its temporaries).
+        optimizer = build_optimizer(parts, config.optim)
+        self.report.param_bytes = _local_bytes(p for part in parts for p in part.parameters())
+        if self.mesh_spec.pp > 1:
+            self._pipelined_micro_batches()
+        else:
+            self._micro_batches()
+        params = [p for part in parts for p in part.parameters()]
+        self.report.grad_bytes = _local_bytes(p.grad for p in params if p.grad is not None)
+        acct.reset_peak()
+        tp_group = self.mesh.get_group("tp") if self.mesh_spec.tp > 1 else None
+        rescale_expert_grads_(expert_parameters(parts, self.plan), self.plan, tp_group)
+        pp_group = self.mesh.get_group("pp") if self.mesh_spec.pp > 1 else None
+        clip_grads_(params, config.optim.grad_clip, pp_group, optimizer)
+        optimizer.step()
+        loss = torch.zeros(())
+        for group in build.loss_reduction_groups(self.mesh, self.mesh_spec):
+            dist.all_reduce(loss, group=group)
+        self.report.optimizer_bytes = _local_bytes(t for state in optimizer.state.values() for t in state.values()
+                                                   if isinstance(t, torch.Tensor))
+        self._phase_done("optimizer step", times=1)
+        optimizer.zero_grad(set_to_none=True)
+        return self.report
+
+    def _phase_done(self, phase: str, times: int) -> None:
+        for key, tally in self.acct.take_collectives().items():
+            self.report.collectives[key].add(tally, times)
+        peaks = self.report.phase_peaks
+        peaks[phase] = max(peaks.get(phase, 0), self.acct.peak_bytes)
+
+    def _inputs(self):
+        """One micro-batch's token ids and its aux (RoPE, labels) as this rank holds them."""
+        d, cp = self.config.data, self.mesh_spec.cp
+        tokens = torch.randint(0, self.model_cfg.vocab_size, (d.micro_batch, d.seq_len))
+        cp_rank = self.mesh.get_local_rank("cp")
+        positions = context_parallel.load_balance_indices(d.seq_len, cp, cp_rank) if cp > 1 else torch.arange(d.seq_len)
+        if cp > 1:
+            tokens = context_parallel.shard_sequence(tokens, cp, cp_rank)
+        aux = families.make_aux(self.model_cfg, positions)
+        return tokens, attrs.evolve(aux, labels=tokens.clone())
+
+    def _measure(self, run) -> tuple[int, int]:
+        """Runs `run()` (forward, then a function that runs the backward); returns the bytes the
+        forward kept and the backward's working memory beyond them."""
+        acct = self.acct
+        acct.reset_peak()
+        before = acct.live_bytes
+        backward = run()
+        kept = acct.live_bytes - before
+        backward()
+        return kept, acct.peak_bytes - before - kept
+
+    def _micro_batches(self) -> None:
+        """The trainer's loop: the first micro-batch, one in steady state, the last (those that
+        exist), the steady one counted for all the middle ones."""
+        model, ctx = self.built.parts[0], self.built.ctx
+        reduce_once = self.config.parallel.fsdp_reduce_once
+        kinds = [("last", 1)] if self.m == 1 else [("first", 1), ("steady", self.m - 2), ("last", 1)]
+        for kind, times in kinds:
+            if times == 0:
+                continue
+            tokens, aux = self._inputs()
+
+            def forward():
+                if reduce_once:
+                    set_micro_batch_sync(model, last=kind == "last")
+                loss = model(tokens, aux)
+                return loss.backward
+
+            with ctx.kernel_scope():
+                kept, extra = self._measure(forward)
+            self.report.stages = [StageCost(kept, extra, 0, 0)]
+            self._phase_done("micro-batches", times)
+
+    def _pipelined_micro_batches(self) -> None:
+        """This rank's stages as torch's PipelineStage runs them, without peers."""
+        built, p = self.built, self.config.parallel
+        num_stages = len(built.blocks_per_stage)
+        runner = pipeline.PipelineRunner(built.parts, built.stage_ids, num_stages, p.pp_schedule, self.m,
+                                         torch.device("cpu"), self.mesh.get_group("pp"), 1.0)
+        self.runner = runner
+        for kind, times in (("first", 1), ("steady", self.m - 1)):
+            if kind == "steady":
+                self.report.kept_bytes = self.acct.live_bytes
+            costs = []
+            for part, stage_id in zip(built.parts, built.stage_ids):
+                with built.ctx.kernel_scope():
+                    costs.append(self._stage_micro_batch(part, stage_id, num_stages))
+            self.report.stages = costs
+            self._phase_done("micro-batches", times)
+        self.acct.reset_peak()
+        for stage in runner.stages:
+            stage.perform_reduce_grad(1)
+        self._phase_done("gradient reduction", times=1)
+        for cost in self.report.stages:
+            sends = (cost.input_bytes > 0) + (cost.output_bytes > 0)
+            self.report.collectives["pp", "send/recv"].add(
+                CollectiveTally(2 * sends, 2 * (cost.input_bytes + cost.output_bytes)), self.m)
+
+    def _stage_micro_batch(self, part, stage_id: int, num_stages: int) -> StageCost:
+        tokens, aux = self._inputs()
+        part.stage_auxes = [aux]  # the stage's forward without a micro-batch index reads the first
+        received = tokens if stage_id == 0 else self._received_activation(tokens).requires_grad_()
+        # As torch's PipelineStage: gradient sync off for every micro-batch; the schedule's final
+        # reduce (`perform_reduce_grad`) reduce-scatters them once.
+        part.set_is_last_backward(False)
+        part.set_reshard_after_backward(False)
+        part.set_requires_gradient_sync(False)
+        outputs = {}
+
+        def forward():
+            out = outputs["out"] = part(received)
+            if stage_id == num_stages - 1:
+                return part.head_loss(out, aux).backward
+            return lambda: out.backward(torch.empty_like(out))
+
+        kept, extra = self._measure(forward)
+        out = outputs["out"]
+        input_bytes = 0 if stage_id == 0 else received.numel() * received.element_size()
+        output_bytes = 0 if stage_id == num_stages - 1 else out.numel() * out.element_size()
+        return StageCost(kept, extra, input_bytes, output_bytes)
+
+    def _received_activation(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The previous stage's output as this stage receives it: this rank's shard of the
+        residual stream, in the compute dtype."""
+        batch, seq = tokens.shape
+        dtype = build.COMPUTE_DTYPES[self.config.train.precision]
+        full = torch.empty(batch, seq, self.model_cfg.dim, dtype=dtype)
+        ctx = self.built.ctx
+        if ctx.activation_mesh is None:
+            return full
+        replicated = DTensor.from_local(full, ctx.activation_mesh, [Replicate()] * ctx.activation_mesh.ndim,
+                                        run_check=False)
+        return ctx.constrain(replicated, RESIDUAL, "residual").to_local().contiguous()
+
+
+def bytes_text(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def peak_of_role(report: ProgramReport, role: Role, offload_bytes: int = 0) -> tuple[int, str]:
+    """The role's peak bytes on its device, and what makes it up. Under CPU offload the
+    parameters, gradients and optimizer state (`offload_bytes`) are host memory, and so are the
+    initialization and the optimizer step."""
+    peaks = dict(report.phase_peaks)
+    if offload_bytes:
+        peaks = {phase: peak - offload_bytes for phase, peak in peaks.items()
+                 if phase not in ("initialization", "optimizer step")}
+    kept = report.kept_bytes - offload_bytes
+    why = ""
+    if role.pp_rank in report.held:
+        cost = {stage_id: report.stages[i] for i, stage_id in enumerate(role.stage_ids)}
+        held, fullest = max((sum(n * cost[s].activation_bytes for s, n in point.items()), sorted(point.items()))
+                            for point in report.held[role.pp_rank])
+        extra = max(c.backward_extra_bytes for c in report.stages)
+        in_flight = " + ".join(f"{n} micro-batch{'es' * (n != 1)} on stage {s}" for s, n in fullest if n)
+        peaks["micro-batches"] = max(peaks.get("micro-batches", 0), kept + held + extra)
+        why = (f": {bytes_text(kept)} kept through the step + {bytes_text(held)} of activations ({in_flight}) "
+               f"+ {bytes_text(extra)} backward working memory")
+    phase = max(peaks, key=peaks.get)
+    return peaks[phase], f"in the {phase}{why if phase == 'micro-batches' else ''}"
+
+
+_DIM_ORDER = {dim: i for i, dim in enumerate((*MESH_DIMS, FSDP_SHARD_DIM, "edp", "ep", "world", "other"))}
+
+
+def _describe_role(config: Config, mesh_spec: MeshSpec, role: Role, report: ProgramReport, counts) -> str:
+    where = ""
+    if mesh_spec.pp > 1:
+        where = " | pp rank {}: ".format(role.pp_rank) + ", ".join(
+            f"stage {s} ({stage_text(counts, s)})" for s in role.stage_ids)
+    offload = report.param_bytes + report.grad_bytes + report.optimizer_bytes if config.parallel.cpu_offload else 0
+    peak, why = peak_of_role(report, role, offload)
+    lines = [
+        f"ranks {rank_ranges(role.ranks)}{where} (run as rank {report.rank})",
+        f"  parameters {bytes_text(report.param_bytes)}, gradients {bytes_text(report.grad_bytes)}, "
+        f"optimizer state {bytes_text(report.optimizer_bytes)}" + (" (in host memory)" if offload else ""),
+        f"  peak memory {bytes_text(peak)} {why}",
+        "  collectives per step: mesh dim, kind, count, bytes",
+    ]
+    for (dim, kind), tally in sorted(report.collectives.items(), key=lambda kv: (_DIM_ORDER[kv[0][0]], kv[0][1])):
+        lines.append(f"    {dim:<12} {kind:<15} {tally.count:>7,} {bytes_text(tally.bytes):>11}")
+    return "\n".join(lines)
