@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import forked
 from tools.compare_runs import read_scalars
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,7 +42,11 @@ def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
 def run_cli(args: list[str], nproc: int = 1, module: str = "dtrain.run", timeout: float = 600,
             env: dict[str, str] | None = None, torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`python -m module args` (under torchrun for nproc > 1, or with `torchrun_args`) with `env`
-    added to the environment."""
+    added to the environment. Ranks are forked from a server that has torch imported
+    (tests/forked.py) unless the run needs torchrun's agent or a fresh interpreter, or
+    DTRAIN_TEST_LAUNCHER=subprocess asks for the real commands."""
+    if not torchrun_args and forked.can_run(env or {}) and os.environ.get("DTRAIN_TEST_LAUNCHER") != "subprocess":
+        return forked.run(module, args, nproc, cli_env(env), timeout, _free_port())
     return subprocess.run(cli_command(args, nproc, module, torchrun_args), cwd=REPO, env=cli_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
