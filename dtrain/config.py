@@ -26,7 +26,9 @@ class ModelArgs:
 
 @attrs.frozen
 class ParallelArgs:
-    mesh: str = _field("", "mesh sizes, e.g. tp=8,pp=8,cp=2; dp_shard (alias dp) takes the ranks left")
+    mesh: str = _field("", "mesh sizes, e.g. tp=8,pp=8,cp=2; dp_shard (alias dp) takes the ranks left; 'auto': the "
+                           "planner's best mesh, micro-batch, recompute and offload for the world size (python -m "
+                           "dtrain.plan shows the candidates)")
     sequence_parallel: bool = _field(False, "split norms and residuals over tp along the sequence")
     async_tp: bool = _field(False, "overlap tp all-gathers/reduce-scatters with matmuls (needs --compile, "
                                    "--sequence-parallel and CUDA)")
@@ -49,7 +51,12 @@ class ParallelArgs:
                               choices=("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb", "zbv"))
     pp_virtual_stages: int = _field(1, "pipeline stages per rank (interleaved and V schedules)")
     pp_layout: str = _field("", "blocks per pipeline stage, e.g. 3,5,5,3 (default: balanced by cost)")
-    print_plan: bool = _field(False, "print every parameter's placements and local shape, then exit")
+    cpu_offload: bool = _field(False, "FSDP2 CPU offload (CPUOffloadPolicy): parameters, gradients and optimizer "
+                                      "state live in host memory")
+    gpu_memory_gb: float = _field(0.0, "--mesh auto and out-of-memory reports: usable memory per GPU in GB (0: what "
+                                       "the GPU reports, 80 without one)")
+    print_plan: bool = _field(False, "print every parameter's placements and local shape, the pipeline stages and "
+                                     "the memory per rank, then exit")
 
 
 @attrs.frozen
@@ -101,6 +108,8 @@ class TrainArgs:
     fuse_projections: bool = _field(False, "one matmul for q/k/v and one for gate/up where the weights are "
                                            "whole on the rank (tp=1)")
     recompute: str = _field("none", "activation recompute of blocks", choices=("none", "selective", "full"))
+    recompute_layers: int = _field(0, "full recompute of N blocks per pipeline stage (Megatron's "
+                                      "--recompute-num-layers); the other blocks follow --recompute")
     run_dir: str = _field("runs/default", "directory for the resolved config, TensorBoard files and log")
     log_every: int = _field(1, "steps between console lines")
     checkpoint_every: int = _field(0, "steps between checkpoints in RUN_DIR/checkpoints (0: none); "

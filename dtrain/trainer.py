@@ -116,7 +116,8 @@ class Trainer:
             compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm, expert_mesh=self.expert_mesh,
             ep_dispatch=self.ep_dispatch or "alltoall",
             fp8_linear=precision.fp8_linear(t.fp8, self.runtime.device, float8_all_gather=t.fp8_all_gather),
-            fp8_layers=self._fp8_layers(), fp8_head=t.fp8_head, fuse_projections=t.fuse_projections,
+            fp8_layers=precision.fp8_blocks(self.model_cfg.num_layers, t.fp8_keep_ends), fp8_head=t.fp8_head,
+            fuse_projections=t.fuse_projections,
             reshard_mode=p.fsdp_reshard_after_forward,
         )
         if self.mesh_spec.pp == 1:
@@ -124,9 +125,7 @@ class Trainer:
             return [model], ctx, None
         pp = self.mesh_spec.pp
         num_stages = pp * p.pp_virtual_stages
-        num_blocks = self.model_cfg.num_layers
-        counts = (pipeline.parse_layout(p.pp_layout, num_blocks, num_stages) if p.pp_layout
-                  else pipeline.balanced_layout(num_blocks, num_stages, *pipeline.layer_costs(layers)))
+        counts = pipeline.block_counts(layers, num_stages, p.pp_layout)
         ids = pipeline.stage_ids(self.mesh.get_local_rank("pp"), pp, p.pp_virtual_stages, p.pp_schedule)
         parts = [build(pipeline.stage_layers(layers, counts, i))[0] for i in ids]
         d = self.config.data
@@ -137,12 +136,6 @@ class Trainer:
         if self.runtime.is_main:
             logger.info("pipeline: %s, %d stages, blocks per stage %s", p.pp_schedule, num_stages, counts)
         return parts, parts[0].ctx, runner
-
-    def _fp8_layers(self) -> frozenset[str]:
-        """The blocks whose matmuls run in FP8: all of them, or all but the first and last."""
-        num_layers = self.model_cfg.num_layers
-        keep = {0, num_layers - 1} if self.config.train.fp8_keep_ends else set()
-        return frozenset(f"blocks.{i}" for i in range(num_layers) if i not in keep)
 
     def parameters(self):
         return [param for part in self.model_parts for param in part.parameters()]

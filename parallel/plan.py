@@ -184,23 +184,31 @@ class Plan:
             layout[dim] = "R" if dim == "dp_replicate" else "S(0)"
         return {dim: layout[dim] for dim in MESH_DIMS if dim in layout}
 
+    def gathered_shape(self, shape: tuple[int, ...], axes: tuple[str, ...]) -> tuple[int, ...]:
+        """The shape FSDP all-gathers for compute on the first rank: split over the model-parallel
+        dims (tp, or ep for expert weights) only (uneven splits round up, like torch.chunk)."""
+        gathered = list(shape)
+        if self.is_expert(axes) and self.mesh_spec.ep > 1:
+            dims_and_placements = [("ep", p) for p in self.expert_placements(axes)]
+        else:
+            dims_and_placements = zip(self.param_mesh_dims, self.param_placements(axes))
+        sizes = {**self.mesh_spec.sizes(), "ep": self.mesh_spec.ep}
+        for dim, placement in dims_and_placements:
+            if isinstance(placement, Shard):
+                gathered[placement.dim] = math.ceil(gathered[placement.dim] / sizes[dim])
+        return tuple(gathered)
+
+    def fsdp_shards(self, axes: tuple[str, ...]) -> int:
+        """How many ranks FSDP splits dim 0 of a parameter over (1: it is whole after gathering)."""
+        spec = self.mesh_spec
+        if self.is_expert(axes) and spec.ep > 1:
+            return spec.dp_shard * spec.cp // spec.ep
+        return spec.dp_shard * spec.cp
+
     def local_shape(self, shape: tuple[int, ...], axes: tuple[str, ...]) -> tuple[int, ...]:
         """The shard shape on the first rank (uneven splits round up, like torch.chunk)."""
-        local = list(shape)
-        sizes = self.mesh_spec.sizes()
-        if self.is_expert(axes) and self.mesh_spec.ep > 1:
-            for placement in self.expert_placements(axes):
-                if isinstance(placement, Shard):
-                    local[placement.dim] = math.ceil(local[placement.dim] / self.mesh_spec.ep)
-            edp = sizes["dp_shard"] * sizes["cp"] // self.mesh_spec.ep
-            local[0] = math.ceil(local[0] / edp)
-            return tuple(local)
-        for dim, placement in zip(self.param_mesh_dims, self.param_placements(axes)):
-            if isinstance(placement, Shard):
-                local[placement.dim] = math.ceil(local[placement.dim] / sizes[dim])
-        fsdp_ranks = sizes["dp_shard"] * sizes["cp"]
-        if fsdp_ranks > 1:
-            local[0] = math.ceil(local[0] / fsdp_ranks)
+        local = list(self.gathered_shape(shape, axes))
+        local[0] = math.ceil(local[0] / self.fsdp_shards(axes))
         return tuple(local)
 
     def describe(self, layers: list[spec.Layer]) -> str:
