@@ -55,6 +55,15 @@ def _widths(work: Workload) -> tuple[int, int, int, int, int]:
 
 def block_bytes(work: Workload, block: int, mode: str, kernel: KernelFacts = CUDA) -> float:
     """Saved bytes of one micro-batch of `block` on this rank under recompute `mode`."""
+    t, p = work.config.train, work.config.parallel
+    key = ("saved", work.block_kinds[block], block in work.fp8_blocks, mode, kernel, work.tokens, t.precision,
+           t.compile, t.fuse_projections, p.cp_comm)
+    if key not in work.memo:
+        work.memo[key] = _block_bytes(work, block, mode, kernel)
+    return work.memo[key]
+
+
+def _block_bytes(work: Workload, block: int, mode: str, kernel: KernelFacts) -> float:
     b = DTYPE_BYTES[work.config.train.precision]
     d, residual, q_width, kv_width, heads = _widths(work)
     if mode == "full":

@@ -54,21 +54,23 @@ class Row:
 
     @property
     def label(self) -> str:
-        options = " ".join(a for a in self.data["args"] if a not in ("--compile",))
-        return f"{self.data['model']} {self.data['mesh']} seq {self.data['seq_len']} " \
-               f"{self.data['micro_batch']}/{self.data['global_batch']} {options}".strip()
+        return (f"{self.data['shape']} {self.data['mesh']} seq {self.data['seq_len']} "
+                f"{self.data['micro_batch']}/{self.data['global_batch']} {' '.join(_options(self.data))}")
 
 
-def _setup_key(row: dict) -> tuple:
-    """The setups `tools.bench --table` groups by (its `_options`: flags sorted, mesh and run dir apart)."""
+def _options(row: dict) -> list[str]:
+    """The run's flags as `tools.bench --table` shows them: sorted by flag, mesh and run dir apart."""
     flags: list[list[str]] = []
     for arg in row["args"]:
         if arg.startswith("--") or not flags:
             flags.append([arg])
         else:
             flags[-1].append(arg)
-    options = [part for flag in sorted(flags) if flag[0] not in ("--mesh", "--run-dir") for part in flag]
-    return (row["shape"], row["gpus"], row["mesh"], row["micro_batch"], row["global_batch"], *options)
+    return [part for flag in sorted(flags) if flag[0] not in ("--mesh", "--run-dir") for part in flag]
+
+
+def _setup_key(row: dict) -> tuple:
+    return (row["shape"], row["gpus"], row["mesh"], row["micro_batch"], row["global_batch"], *_options(row))
 
 
 def newest_rows(path: Path) -> list[Row]:
@@ -96,3 +98,54 @@ def _row(data: dict) -> Row:
     if mesh.ep > 1 and "force_load_balance=true" not in config.model.model_overrides:
         time_reason = UNBALANCED_EP
     return Row(data, config, reason[0] if reason else None, time_reason)
+
+
+@attrs.frozen
+class Comparison:
+    row: Row
+    memory_gb: float
+    tokens_per_sec_per_gpu: float
+
+    @property
+    def memory_error(self) -> float:
+        return self.memory_gb / self.row.data["peak_mem_gb"] - 1
+
+    @property
+    def throughput_error(self) -> float:
+        return self.tokens_per_sec_per_gpu / self.row.data["tokens_per_sec_per_gpu"] - 1
+
+
+def compare(path: Path) -> list[Comparison]:
+    """Predictions for every newest row (excluded ones too: the table lists them apart)."""
+    from dtrain.plan.memory import predict_peak
+    from dtrain.plan.steptime import predict_step
+
+    return [Comparison(row, predict_peak(row.config, row.gpus)[0].total / 1e9,
+                       predict_step(row.config, row.gpus).tokens_per_sec_per_gpu) for row in newest_rows(path)]
+
+
+def validation_text(path: Path) -> str:
+    """The predicted-against-measured table (markdown), the rows left out and why, and a summary."""
+    comparisons = compare(path)
+    lines = ["| shape | GPUs | mesh | seq | micro/global batch | options | peak memory: measured | predicted | "
+             "error | tok/s/GPU: measured | predicted | error |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    left_out = []
+    for c in comparisons:
+        r = c.row.data
+        if c.row.excluded:
+            left_out.append(f"- {c.row.label} ({r['commit']}): {c.row.excluded}")
+            continue
+        time_error = f"{100 * c.throughput_error:+.1f}%" if not c.row.time_excluded else "not compared (a)"
+        lines.append(f"| {r['shape']} | {r['gpus']} | {r['mesh']} | {r['seq_len']} | {r['micro_batch']}/{r['global_batch']} | "
+                     f"{' '.join(_options(r)) or '-'} | {r['peak_mem_gb']:.1f} GB | {c.memory_gb:.1f} GB | "
+                     f"{100 * c.memory_error:+.1f}% | {r['tokens_per_sec_per_gpu']:,.0f} | "
+                     f"{c.tokens_per_sec_per_gpu:,.0f} | {time_error} |")
+    included = [c for c in comparisons if not c.row.excluded]
+    timed = [c for c in included if not c.row.time_excluded]
+    worst_memory = max(abs(c.memory_error) for c in included)
+    worst_time = max(abs(c.throughput_error) for c in timed)
+    lines += ["", f"Peak memory within {100 * worst_memory:.1f}% on all {len(included)} rows (target "
+              f"{100 * MEMORY_TOLERANCE:.0f}%); tokens/s within {100 * worst_time:.1f}% on {len(timed)} rows (target "
+              f"{100 * THROUGHPUT_TOLERANCE:.0f}%). (a) {UNBALANCED_EP}.", "", "Rows left out (measured on older code):",
+              *left_out]
+    return "\n".join(lines)

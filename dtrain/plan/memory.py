@@ -20,7 +20,7 @@ import attrs
 from dtrain.config import Config
 from dtrain.plan import activations
 from dtrain.plan.activations import CUDA, DTYPE_BYTES, KernelFacts
-from dtrain.plan.workload import Stage, Unit, Workload, workload
+from dtrain.plan.workload import Stage, Workload, workload
 from parallel import pipeline
 
 GB = 1e9
@@ -83,63 +83,33 @@ def predict_peak(config: Config, world_size: int, kernel: KernelFacts = CUDA) ->
 
 def predict_workload(work: Workload, kernel: KernelFacts = CUDA) -> MemoryBreakdown:
     t, p = work.config.train, work.config.parallel
-    pairs = _units_gathered_in_float8(work)
-    units = [u for u, _ in pairs]
+    totals = work.unit_totals()
     compute_bytes = DTYPE_BYTES[t.precision]
-    offload = p.cpu_offload
-    state = {
-        "parameters": 4 * sum(u.local for u in units),
-        "optimizer": 8 * sum(u.trainable for u in units),
-    }
-    sharded_grads = 4 * sum(u.trainable for u in units)
+    state = {"parameters": 4 * totals.local, "optimizer": 8 * totals.trainable}
+    sharded_grads = 4 * totals.trainable
     host = 0.0
-    if offload:
+    if p.cpu_offload:
         host = state["parameters"] + state["optimizer"] + sharded_grads
         state = {name: 0.0 for name in state}
         sharded_grads = 0.0
-
-    gathered = [_gathered_bytes(u, compute_bytes, float8) for u, float8 in pairs]
-    kept = sum(g for u, g in zip(units, gathered) if not u.resharded)
-    resharded = max((g for u, g in zip(units, gathered) if u.resharded), default=0.0)
     # One resharded unit being computed and the next one prefetched, with its all-gather buffer.
-    in_use = kept + (3 * resharded if resharded else 0.0)
+    in_use = totals.kept_bytes + 3 * totals.resharded_bytes
 
     logits, head_backward = activations.head_bytes(work) if any(s.last for s in work.stages) else (0.0, 0.0)
     # The reduce-scatter of the largest unit: its compute-dtype gradient, the fp32 copy FSDP
     # reduces, and the fp32 shard that comes out. Each unit is freed after its last backward, so
     # at the end only the one being reduced is still gathered.
-    largest = max(range(len(units)), key=lambda i: units[i].gathered_trainable)
-    reduce_buffers = (compute_bytes + 4) * units[largest].gathered_trainable + 4 * units[largest].trainable
+    reduce_buffers = (compute_bytes + 4) * totals.largest_gathered_trainable + 4 * totals.largest_trainable
 
-    candidates = [MemoryBreakdown(
-        **state, gradients=sharded_grads, gathered=gathered[largest], activations=0.0, logits=0.0,
-        buffers=reduce_buffers, workspace=WORKSPACE_BYTES, host=host, phase="the end of backward")]
-    for saved, accumulated, phase in _backward_starts(work, units, sharded_grads, kernel):
-        candidates.append(MemoryBreakdown(
-            **state, gradients=accumulated, gathered=in_use, activations=saved, logits=logits,
-            buffers=head_backward + _dispatch_buffers(work), workspace=WORKSPACE_BYTES, host=host, phase=phase))
-    return max(candidates, key=lambda b: b.total)
+    end = (sharded_grads, totals.largest_bytes, 0.0, 0.0, reduce_buffers, "the end of backward")
+    starts = [(accumulated, in_use, saved, logits, head_backward + _dispatch_buffers(work), phase)
+              for saved, accumulated, phase in _backward_starts(work, totals.gathered_trainable, sharded_grads, kernel)]
+    gradients, gathered, saved, logits, buffers, phase = max([end, *starts], key=lambda moment: sum(moment[:5]))
+    return MemoryBreakdown(**state, gradients=gradients, gathered=gathered, activations=saved, logits=logits,
+                           buffers=buffers, workspace=WORKSPACE_BYTES, host=host, phase=phase)
 
 
-def _gathered_bytes(unit: Unit, compute_bytes: int, float8: bool) -> float:
-    if float8:
-        return unit.matmul + compute_bytes * (unit.gathered - unit.matmul)
-    return compute_bytes * unit.gathered
-
-
-def _units_gathered_in_float8(work: Workload) -> list[tuple[Unit, bool]]:
-    """Every unit of the rank (in `all_units` order), and whether FSDP gathers its matmul weights
-    in float8: a block's own unit (not its experts) in an FP8 block, where float8 gathering applies."""
-    pairs = []
-    for stage in work.stages:
-        for block in stage.blocks:
-            float8 = work.float8_all_gather and block in work.fp8_blocks
-            pairs += [(u, float8 and i == 0) for i, u in enumerate(work.block_units(block, stage))]
-        pairs += [(u, False) for u in work.stage_units(stage)[sum(len(work.block_units(b)) for b in stage.blocks):]]
-    return pairs
-
-
-def _backward_starts(work: Workload, units: list[Unit], sharded_grads: float, kernel: KernelFacts):
+def _backward_starts(work: Workload, gathered_trainable: int, sharded_grads: float, kernel: KernelFacts):
     """(saved activations, gradients alive, phase) at the start of the first backward of a step,
     and of a later one, where the gradients of the micro-batches before it are kept: as fp32
     shards after each reduce-scatter, or whole in fp32 where they are reduced once per step
@@ -162,7 +132,7 @@ def _backward_starts(work: Workload, units: list[Unit], sharded_grads: float, ke
     if work.num_microbatches == 1:
         return
     whole = pipelined or p.fsdp_reduce_once
-    grads = 4 * sum(u.gathered_trainable for u in units) if whole else sharded_grads
+    grads = 4 * gathered_trainable if whole else sharded_grads
     # Where every micro-batch is in flight at once (GPipe, looped BFS), a later backward starts
     # with one micro-batch fewer; in a steady 1F1B state the rank holds as many as before.
     everything = len(chunks) >= work.num_microbatches * len(work.stages)
@@ -171,11 +141,8 @@ def _backward_starts(work: Workload, units: list[Unit], sharded_grads: float, ke
 
 
 def _stage_bytes(work: Workload, stage: Stage, kernel: KernelFacts) -> float:
-    """One micro-batch of a stage: the first --recompute-layers blocks recompute in full, the
-    others follow --recompute."""
-    t = work.config.train
-    return sum(activations.block_bytes(work, block, "full" if i < t.recompute_layers else t.recompute, kernel)
-               for i, block in enumerate(stage.blocks))
+    """One micro-batch of a stage."""
+    return sum(count * activations.block_bytes(work, block, mode, kernel) for block, mode, count in work.block_mix(stage))
 
 
 def _dispatch_buffers(work: Workload) -> float:
