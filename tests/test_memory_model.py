@@ -60,7 +60,7 @@ CASES = [
     ("tiny", SMALL, ["--compile"], "none"),
     ("tiny", SMALL, ["--compile", "--recompute", "selective"], "selective"),
     ("tiny", SMALL, ["--compile", "--fp8", "tensorwise"], "none"),
-    ("tiny-moe", SMALL_MOE, ["--compile"], "none"),
+    ("tiny-moe", SMALL_MOE, [], "none"),
 ]
 
 
@@ -77,8 +77,10 @@ def test_block_activations_are_what_autograd_saves(model, overrides, args, mode,
         ctx.linear = lambda x, w: fp8(x, w)
     forward = recompute.wrap(layer.forward, mode)
     if config.train.compile:
+        # Inductor's partitioner decides what a compiled graph saves; this backend runs it
+        # without generating kernels, so the saved tensors are the same at a fraction of the time.
         torch._dynamo.reset()
-        forward = torch.compile(forward)
+        forward = torch.compile(forward, backend="aot_eager_decomp_partition")
         forward(spec.unflatten(params), x, aux, ctx)  # compiles; the next call is measured
     measured_bytes = _saved_bytes(forward, params, x, aux, ctx)
     predicted = activations.block_bytes(work, 0, mode, activations.CPU)

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"), default=None)
     parser.add_argument("--inter-node-gb-s", type=float, default=H200.inter_node_gb_s,
                         help="network bandwidth per GPU between nodes, GB/s")
+    parser.add_argument("--host-memory-gb", type=float, default=H200.host_memory_gb,
+                        help="host memory per node, for CPU offload")
     parser.add_argument("--top", type=int, default=3, help="how many candidates to print")
     parser.add_argument("--json", action="store_true", help="a JSON list of the candidates, best first")
     parser.add_argument("--validate", type=Path, metavar="RESULTS",
@@ -119,7 +121,8 @@ def run(args: argparse.Namespace) -> str:
         raise UserError("--gpus, --seq-len, --global-batch and --gpu-memory-gb must be positive")
     target = Target(model=args.model, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
                     gpu_memory_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node,
-                    model_overrides=args.model_overrides, fp8=args.fp8, inter_node_gb_s=args.inter_node_gb_s)
+                    model_overrides=args.model_overrides, fp8=args.fp8, inter_node_gb_s=args.inter_node_gb_s,
+                    host_memory_gb=args.host_memory_gb)
     started = time.perf_counter()
     candidates = search(target)
     seconds = time.perf_counter() - started

@@ -146,10 +146,13 @@ def _moe_per_token(work: Workload, mode: str, compiled: bool, b: int) -> float:
     if mode == "selective":
         exchanged = 2 * b * k * d if work.ep_dispatch == "alltoall" else 0.0
         return router + b * rows * (2 * f + d) + exchanged + b * 2 * shared
-    per_token = 4 * d + router + b * rows * (2 * d + 3 * f) + (b * (d + 3 * shared) if shared else 0.0)
     if not compiled:
-        per_token += 4 * k * d  # the combine's fp32 products
-    return per_token
+        # Eager keeps the router's probabilities, top-k and sort indices, the block's input once
+        # and each routed row, all four SwiGLU tensors of a row, and the combine's two fp32 products.
+        router = 12 * experts + 32 * k + 12
+        return (4 * d + router + b * d + b * rows * (d + 4 * f) + 8 * k * d
+                + (b * (d + 4 * shared) if shared else 0.0))
+    return 4 * d + router + b * rows * (2 * d + 3 * f) + (b * (d + 3 * shared) if shared else 0.0)
 
 
 def recompute_peak_bytes(work: Workload, block: int, kernel: KernelFacts = CUDA) -> float:

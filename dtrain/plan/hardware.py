@@ -18,6 +18,7 @@ GIGA = 1e9
 class Hardware:
     gpu_memory_gb: float = 141.0         # what one GPU holds (H200: 141 GB; planners often assume 80)
     gpus_per_node: int = 8
+    host_memory_gb: float = 2000.0       # per node, for CPU offload (the node's GPUs share it)
     peak_tflops: float = 989.0           # dense BF16 datasheet peak: the MFU denominator only
     gemm_tflops: float = 780.0           # BF16 GEMM 8192^3, measured
     # GEMMs lose efficiency as their smaller weight dim shrinks: rate x n / (n + gemm_half_dim).
@@ -50,6 +51,10 @@ class Hardware:
     @property
     def gpu_memory_bytes(self) -> float:
         return self.gpu_memory_gb * GIGA
+
+    @property
+    def host_bytes_per_gpu(self) -> float:
+        return self.host_memory_gb * GIGA / self.gpus_per_node
 
     def link_gb_s(self, group_span: int) -> float:
         """Bus bandwidth per GPU of a collective over `group_span` consecutive ranks (the group's

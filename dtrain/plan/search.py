@@ -48,11 +48,12 @@ class Target:
     compile: bool = True
     precision: str = "bf16"
     inter_node_gb_s: float = H200.inter_node_gb_s
+    host_memory_gb: float = H200.host_memory_gb
 
     @property
     def hardware(self) -> Hardware:
         return attrs.evolve(H200, gpu_memory_gb=self.gpu_memory_gb, gpus_per_node=self.gpus_per_node,
-                            inter_node_gb_s=self.inter_node_gb_s)
+                            inter_node_gb_s=self.inter_node_gb_s, host_memory_gb=self.host_memory_gb)
 
 
 @attrs.frozen
@@ -139,7 +140,7 @@ def _fitting_variants(target: Target, base: dict, hw: Hardware) -> list[Candidat
     (the ones after it only recompute more); CPU offload only where nothing fits without it. A
     micro-batch that fits in no way ends the larger ones. Memory is predicted first, the first
     pipeline rank before the last: most variants of a large model do not fit, and are not timed."""
-    budget = hw.gpu_memory_bytes
+    budget, host_budget = hw.gpu_memory_bytes, hw.host_bytes_per_gpu
     for offload in (False, True):
         found = []
         for reshard in ("default", "never") if base["pp"] == 1 and base["dp"] > 1 else ("default",):
@@ -150,7 +151,7 @@ def _fitting_variants(target: Target, base: dict, hw: Hardware) -> list[Candidat
                     peaks = []
                     for work in base["works"]:
                         peaks.append(memory.predict_workload(_derive(work, config)))
-                        if peaks[-1].total > budget:
+                        if peaks[-1].total > budget or peaks[-1].host > host_budget:
                             break
                     else:
                         fits = config, max(peaks, key=lambda b: b.total)
@@ -250,17 +251,19 @@ def _variant(config: Config, micro_batch: int, reshard: str, mode: str, layers: 
 
 def minimum_memory(target: Target) -> float:
     """The smallest predicted peak over every layout: one sample per micro-batch, full
-    recompute, CPU offload."""
+    recompute, CPU offload where host memory holds it."""
     lowest = math.inf
     for base in _meshes(target):
         config = base["config"]
         dp = base["dp"]
         if target.global_batch % dp or (base["pp"] > 1 and target.global_batch // dp < base["pp"]):
             continue
-        config = attrs.evolve(config, train=attrs.evolve(config.train, recompute="full"),
-                              parallel=attrs.evolve(config.parallel, cpu_offload=True))
-        peak = max(memory.predict_workload(_derive(w, config)).total for w in base["works"])
-        lowest = min(lowest, peak)
+        config = attrs.evolve(config, train=attrs.evolve(config.train, recompute="full"))
+        for offload in (False, True):
+            config = attrs.evolve(config, parallel=attrs.evolve(config.parallel, cpu_offload=offload))
+            peaks = [memory.predict_workload(_derive(w, config)) for w in base["works"]]
+            if max(b.host for b in peaks) <= target.hardware.host_bytes_per_gpu:
+                lowest = min(lowest, max(b.total for b in peaks))
     return lowest
 
 
@@ -272,18 +275,18 @@ def nothing_fits(target: Target) -> str:
             f"on {target.gpus} GPUs of {target.gpu_memory_gb:g} GB with any mesh, micro-batch, recompute or CPU offload")
     options = []
     for gpus in (2 ** k * target.gpus for k in range(1, 7)):
-        if target.global_batch % gpus == 0 or gpus <= target.global_batch:
-            if minimum_memory(attrs.evolve(target, gpus=gpus, global_batch=max(target.global_batch, gpus))) <= budget:
-                options.append(f"{gpus} GPUs")
-                break
+        # At least one sample per GPU, so that every split of the world is a candidate.
+        if minimum_memory(attrs.evolve(target, gpus=gpus, global_batch=max(target.global_batch, gpus))) <= budget:
+            options.append(f"on {gpus} GPUs")
+            break
     seq = target.seq_len // 2
     while seq >= 256:
         if minimum_memory(attrs.evolve(target, seq_len=seq)) <= budget:
-            options.append(f"--seq-len {seq}")
+            options.append(f"with --seq-len {seq}")
             break
         seq //= 2
     if target.fp8 is None and minimum_memory(attrs.evolve(target, fp8="tensorwise")) <= budget:
-        options.append("--fp8 tensorwise")
+        options.append("with --fp8 tensorwise")
     if not options:
         return f"{what}; nothing within 64x the GPUs or down to --seq-len 256 fits either"
-    return f"{what}; it fits with " + ", or ".join(options)
+    return f"{what}; it fits " + ", or ".join(options)
