@@ -89,6 +89,8 @@ def write_into_readme(readme: Path, command: str, text: str) -> None:
     if END_MARKER not in rest:
         raise UserError(f"{readme}: the marker {begin!r} has no {END_MARKER!r} after it")
     _, _, tail = rest.partition(END_MARKER)
+    if not text.startswith("|"):
+        text = f"```text\n{text}\n```"  # the planner's lines, kept as printed
     readme.write_text(f"{head}{begin}\n{text}\n{END_MARKER}{tail}")
 
 
