@@ -56,10 +56,12 @@ def _block_case(model: str, overrides: str, args: list[str]):
 
 CASES = [
     # (model, overrides, flags, recompute mode): eager and compiled, each recompute mode that saves.
+    # Selective recompute is counted compiled only: eager, its saved tensors bypass these hooks.
+    # Each compiled case costs 10-20 s on the CI machine, so the compiled FP8 and MoE terms are
+    # held to the GPU rows (the test after this one) instead.
     ("tiny", SMALL, [], "none"),
     ("tiny", SMALL, ["--compile"], "none"),
     ("tiny", SMALL, ["--compile", "--recompute", "selective"], "selective"),
-    ("tiny", SMALL, ["--compile", "--fp8", "tensorwise"], "none"),
     ("tiny-moe", SMALL_MOE, [], "none"),
 ]
 
