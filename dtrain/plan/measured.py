@@ -55,22 +55,25 @@ class Row:
     @property
     def label(self) -> str:
         return (f"{self.data['shape']} {self.data['mesh']} seq {self.data['seq_len']} "
-                f"{self.data['micro_batch']}/{self.data['global_batch']} {' '.join(_options(self.data))}")
+                f"{self.data['micro_batch']}/{self.data['global_batch']} {' '.join(run_options(self.data))}")
 
 
-def _options(row: dict) -> list[str]:
-    """The run's flags as `tools.bench --table` shows them: sorted by flag, mesh and run dir apart."""
+def run_options(row: dict, leave_out: tuple[str, ...] = ("--mesh", "--run-dir")) -> list[str]:
+    """A benchmark row's dtrain flags that change what is measured, without the flags in
+    `leave_out` and their values (by default the mesh, shown apart, and where the run wrote its
+    files), each flag with its value and sorted by flag: runs that gave the same flags in another
+    order are one setup. `tools.bench --table` groups and shows rows by these."""
     flags: list[list[str]] = []
     for arg in row["args"]:
         if arg.startswith("--") or not flags:
             flags.append([arg])
         else:
             flags[-1].append(arg)
-    return [part for flag in sorted(flags) if flag[0] not in ("--mesh", "--run-dir") for part in flag]
+    return [part for flag in sorted(flags) if flag[0] not in leave_out for part in flag]
 
 
 def _setup_key(row: dict) -> tuple:
-    return (row["shape"], row["gpus"], row["mesh"], row["micro_batch"], row["global_batch"], *_options(row))
+    return (row["shape"], row["gpus"], row["mesh"], row["micro_batch"], row["global_batch"], *run_options(row))
 
 
 def newest_rows(path: Path) -> list[Row]:
@@ -137,7 +140,7 @@ def validation_text(path: Path) -> str:
             continue
         time_error = f"{100 * c.throughput_error:+.1f}%" if not c.row.time_excluded else "not compared (a)"
         lines.append(f"| {r['shape']} | {r['gpus']} | {r['mesh']} | {r['seq_len']} | {r['micro_batch']}/{r['global_batch']} | "
-                     f"{' '.join(_options(r)) or '-'} | {r['peak_mem_gb']:.1f} GB | {c.memory_gb:.1f} GB | "
+                     f"{' '.join(run_options(r)) or '-'} | {r['peak_mem_gb']:.1f} GB | {c.memory_gb:.1f} GB | "
                      f"{100 * c.memory_error:+.1f}% | {r['tokens_per_sec_per_gpu']:,.0f} | "
                      f"{c.tokens_per_sec_per_gpu:,.0f} | {time_error} |")
     included = [c for c in comparisons if not c.row.excluded]
