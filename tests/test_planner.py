@@ -61,11 +61,16 @@ def test_a_model_that_fits_nowhere_gets_one_line_naming_what_would(capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
     assert "does not fit on 8 GPUs of 80 GB" in err and "it fits on" in err and " GPUs" in err
+    # 70B needs ~1.1 TB of fp32 weights, gradients and AdamW state: never 2 GPUs of 80 GB, and
+    # with a node's 2 TB of host memory shared by its 8 GPUs, not fewer than 8 even offloaded.
+    assert plan_cli.main(["--model", "llama3-70b", "--gpus", "1", "--global-batch", "256"]) == 2
+    assert "it fits on 8 GPUs with --cpu-offload" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--gpus", "8", "--global-batch", "8"], "--model is needed"),
     (["--model", "llama3-8b", "--gpus", "0", "--global-batch", "8"], "must be positive"),
+    (["--model", "llama3-8b", "--gpus", "8", "--gpus-per-node", "0", "--global-batch", "8"], "must be positive"),
     (["--model", "llama-9000", "--gpus", "8", "--global-batch", "8"], "unknown model 'llama-9000'"),
     (["--validate", "/nonexistent.jsonl"], "no such file"),
 ])

@@ -119,8 +119,10 @@ def run(args: argparse.Namespace) -> str:
     for name in ("model", "gpus", "global_batch"):
         if getattr(args, name) is None:
             raise UserError(f"--{name.replace('_', '-')} is needed (or --validate RESULTS)")
-    if args.gpus < 1 or args.seq_len < 1 or args.global_batch < 1 or args.gpu_memory_gb <= 0:
-        raise UserError("--gpus, --seq-len, --global-batch and --gpu-memory-gb must be positive")
+    if min(args.gpus, args.seq_len, args.global_batch, args.gpus_per_node) < 1 or min(
+            args.gpu_memory_gb, args.inter_node_gb_s, args.host_memory_gb) <= 0:
+        raise UserError("--gpus, --gpus-per-node, --seq-len, --global-batch, --gpu-memory-gb, --inter-node-gb-s "
+                        "and --host-memory-gb must be positive")
     target = Target(model=args.model, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
                     gpu_memory_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node,
                     model_overrides=args.model_overrides, fp8=args.fp8, inter_node_gb_s=args.inter_node_gb_s,

@@ -31,18 +31,20 @@ def gpu_memory_gb(config: Config) -> float:
     return DEFAULT_GPU_MEMORY_GB
 
 
-def gpus_per_node(world_size: int) -> int:
+def gpus_per_node() -> int:
+    """torchrun's processes per node, else the GPUs this host has, else a node of 8 (the host
+    memory that CPU offload may use is shared by a node's GPUs)."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local:
         return int(local)
-    return min(world_size, torch.cuda.device_count() or 8)
+    return torch.cuda.device_count() or 8
 
 
 def target_of(config: Config, world_size: int) -> Target:
     d, t = config.data, config.train
     return Target(model=config.model.model, model_overrides=config.model.model_overrides, gpus=world_size,
                   seq_len=d.seq_len, global_batch=d.global_batch or d.micro_batch * world_size,
-                  gpu_memory_gb=gpu_memory_gb(config), gpus_per_node=gpus_per_node(world_size), fp8=t.fp8,
+                  gpu_memory_gb=gpu_memory_gb(config), gpus_per_node=gpus_per_node(), fp8=t.fp8,
                   compile=t.compile, precision=t.precision)
 
 

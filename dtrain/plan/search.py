@@ -249,10 +249,10 @@ def _variant(config: Config, micro_batch: int, reshard: str, mode: str, layers: 
                         parallel=attrs.evolve(config.parallel, fsdp_reshard_after_forward=reshard, cpu_offload=offload))
 
 
-def minimum_memory(target: Target) -> float:
-    """The smallest predicted peak over every layout: one sample per micro-batch, full
-    recompute, CPU offload where host memory holds it."""
-    lowest = math.inf
+def minimum_memory(target: Target) -> dict[bool, float]:
+    """The smallest predicted peak over every layout, without and with CPU offload (where host
+    memory holds what it moves): one sample per micro-batch, full recompute."""
+    lowest = {False: math.inf, True: math.inf}
     for base in _meshes(target):
         config = base["config"]
         dp = base["dp"]
@@ -263,30 +263,40 @@ def minimum_memory(target: Target) -> float:
             config = attrs.evolve(config, parallel=attrs.evolve(config.parallel, cpu_offload=offload))
             peaks = [memory.predict_workload(_derive(w, config)) for w in base["works"]]
             if max(b.host for b in peaks) <= target.hardware.host_bytes_per_gpu:
-                lowest = min(lowest, max(b.total for b in peaks))
+                lowest[offload] = min(lowest[offload], max(b.total for b in peaks))
     return lowest
+
+
+def _fits(target: Target) -> bool | None:
+    """False where some layout fits without CPU offload, True where only offloaded ones do, None
+    where none does."""
+    lowest = minimum_memory(target)
+    budget = target.gpu_memory_gb * GIGA
+    return False if lowest[False] <= budget else True if lowest[True] <= budget else None
 
 
 def nothing_fits(target: Target) -> str:
     """One line for a model that fits nowhere: the nearest GPU count, sequence length and
-    precision at which something fits."""
-    budget = target.gpu_memory_gb * GIGA
+    precision at which something fits (and whether only with CPU offload)."""
     what = (f"{target.model} at --seq-len {target.seq_len} and --global-batch {target.global_batch} does not fit "
             f"on {target.gpus} GPUs of {target.gpu_memory_gb:g} GB with any mesh, micro-batch, recompute or CPU offload")
     options = []
     for gpus in (2 ** k * target.gpus for k in range(1, 7)):
         # At least one sample per GPU, so that every split of the world is a candidate.
-        if minimum_memory(attrs.evolve(target, gpus=gpus, global_batch=max(target.global_batch, gpus))) <= budget:
-            options.append(f"on {gpus} GPUs")
+        offload = _fits(attrs.evolve(target, gpus=gpus, global_batch=max(target.global_batch, gpus)))
+        if offload is not None:
+            options.append(f"on {gpus} GPUs" + (" with --cpu-offload" if offload else ""))
             break
     seq = target.seq_len // 2
     while seq >= 256:
-        if minimum_memory(attrs.evolve(target, seq_len=seq)) <= budget:
-            options.append(f"with --seq-len {seq}")
+        offload = _fits(attrs.evolve(target, seq_len=seq))
+        if offload is not None:
+            options.append(f"with --seq-len {seq}" + (" and --cpu-offload" if offload else ""))
             break
         seq //= 2
-    if target.fp8 is None and minimum_memory(attrs.evolve(target, fp8="tensorwise")) <= budget:
-        options.append("with --fp8 tensorwise")
+    offload = _fits(attrs.evolve(target, fp8="tensorwise")) if target.fp8 is None else None
+    if offload is not None:
+        options.append("with --fp8 tensorwise" + (" and --cpu-offload" if offload else ""))
     if not options:
         return f"{what}; nothing within 64x the GPUs or down to --seq-len 256 fits either"
     return f"{what}; it fits " + ", or ".join(options)
