@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtrain.config import Config
 from models import families
 from models.config import LlamaConfig
-from parallel import pipeline, recompute
+from parallel import pipeline, precision, recompute
 from parallel.context import ParallelContext
 from parallel.mesh import MeshSpec
 from parallel.modules import ModelModule
@@ -33,13 +33,10 @@ class ModelParts:
 
 def blocks_per_stage(config: Config, model_cfg: LlamaConfig, mesh_spec: MeshSpec) -> list[int]:
     """The pipeline split: `--pp-layout` as given, else balanced by cost."""
-    p, num_blocks = config.parallel, model_cfg.num_layers
     if mesh_spec.pp == 1:
-        return [num_blocks]
-    num_stages = mesh_spec.pp * p.pp_virtual_stages
-    if p.pp_layout:
-        return pipeline.parse_layout(p.pp_layout, num_blocks, num_stages)
-    return pipeline.balanced_layout(num_blocks, num_stages, *pipeline.layer_costs(families.layers(model_cfg)))
+        return [model_cfg.num_layers]
+    num_stages = mesh_spec.pp * config.parallel.pp_virtual_stages
+    return pipeline.block_counts(families.layers(model_cfg), num_stages, config.parallel.pp_layout)
 
 
 def num_microbatches(config: Config, mesh_spec: MeshSpec) -> int:
@@ -51,12 +48,6 @@ def num_microbatches(config: Config, mesh_spec: MeshSpec) -> int:
 def loss_reduction_groups(mesh: DeviceMesh, mesh_spec: MeshSpec) -> list:
     """The groups a step's loss is summed over: the data-parallel ranks, and the last pipeline stage."""
     return [mesh.get_group(dim) for dim in ("dp_shard", "dp_replicate", "cp", "pp") if getattr(mesh_spec, dim) > 1]
-
-
-def fp8_layers(config: Config, num_layers: int) -> frozenset[str]:
-    """The blocks whose matmuls run in FP8: all of them, or all but the first and last."""
-    keep = {0, num_layers - 1} if config.train.fp8_keep_ends else set()
-    return frozenset(f"blocks.{i}" for i in range(num_layers) if i not in keep)
 
 
 def build_model_parts(config: Config, model_cfg: LlamaConfig, plan: Plan, mesh: DeviceMesh, *,
@@ -74,7 +65,7 @@ def build_model_parts(config: Config, model_cfg: LlamaConfig, plan: Plan, mesh: 
         compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm, expert_mesh=expert_mesh,
         ep_dispatch=ep_dispatch or "alltoall",
         fp8_linear=fp8_linear,
-        fp8_layers=fp8_layers(config, model_cfg.num_layers), fp8_head=t.fp8_head,
+        fp8_layers=precision.fp8_blocks(model_cfg.num_layers, t.fp8_keep_ends), fp8_head=t.fp8_head,
         fuse_projections=t.fuse_projections, reshard_mode=p.fsdp_reshard_after_forward,
         attention_kernel=t.attention_kernel, cpu_offload=p.cpu_offload,
     )

@@ -26,7 +26,9 @@ class ModelArgs:
 
 @attrs.frozen
 class ParallelArgs:
-    mesh: str = _field("", "mesh sizes, e.g. tp=8,pp=8,cp=2; dp_shard (alias dp) takes the ranks left")
+    mesh: str = _field("", "mesh sizes, e.g. tp=8,pp=8,cp=2; dp_shard (alias dp) takes the ranks left; 'auto': the "
+                           "planner's best mesh, micro-batch, recompute and offload for the world size (python -m "
+                           "dtrain.plan shows the candidates)")
     sequence_parallel: bool = _field(False, "split norms and residuals over tp along the sequence")
     async_tp: bool = _field(False, "overlap tp all-gathers/reduce-scatters with matmuls (needs --compile, "
                                    "--sequence-parallel and CUDA)")
@@ -52,8 +54,10 @@ class ParallelArgs:
     cpu_offload: bool = _field(False, "FSDP2's CPU offload: parameters, gradients and optimizer state live in host "
                                       "memory, each block's parameters are copied in for its forward and backward, "
                                       "and the optimizer steps on the CPU")
-    print_plan: bool = _field(False, "print every parameter's placements and local shape and the pipeline stages, "
-                                     "then exit")
+    gpu_memory_gb: float = _field(0.0, "--mesh auto and out-of-memory reports: usable memory per GPU in GB (0: what "
+                                       "the GPU reports, 80 without one)")
+    print_plan: bool = _field(False, "print every parameter's placements and local shape, the pipeline stages and "
+                                     "the memory per rank, then exit")
     dry_run: bool = _field(False, "run one training step of each distinct rank's program on fake tensors over a fake "
                                   "process group of --world-size ranks, in this one process; print each rank's "
                                   "parameter and optimizer bytes, collectives and peak memory, then exit")

@@ -9,9 +9,12 @@ import signal
 import threading
 from pathlib import Path
 
+import torch
+
 from dtrain import distributed
 from dtrain.config import Config
 from dtrain.metrics import log_file
+from dtrain.plan import advice
 from dtrain.plan.validate import validate, with_global_batch
 from dtrain.resilience import failures, run_lock
 from dtrain.resilience.heartbeat import Heartbeat, open_board
@@ -21,8 +24,10 @@ from models.errors import UserError
 
 
 def train(config: Config, before_step=None, claim: run_lock.Claim | None = None) -> list[dict[str, float]]:
-    """Runs the configured training; returns every step's scalars (the loss on every rank).
-    `claim`: rank 0's lock of the run directory when the caller took it (`run_lock.take`)."""
+    """Runs the configured training; returns every step's scalars (the loss on every rank). A CUDA
+    out-of-memory error becomes a report of this rank's predicted memory and the nearest layout
+    the planner says fits. `claim`: rank 0's lock of the run directory when the caller took it
+    (`run_lock.take`)."""
     world_size = distributed.world_size_from_env()
     planned = config.parallel.world_size
     if planned is not None and planned != world_size:
@@ -30,6 +35,8 @@ def train(config: Config, before_step=None, claim: run_lock.Claim | None = None)
                         f"process(es): drop --world-size or start {planned}")
     if config.parallel.dry_run_rank is not None:
         raise UserError("--dry-run-rank needs --dry-run")
+    if config.parallel.mesh == "auto":
+        config = advice.choose(config, world_size)
     config = with_global_batch(config, world_size)
     validate(config, world_size)
     t = config.train
@@ -59,6 +66,8 @@ def train(config: Config, before_step=None, claim: run_lock.Claim | None = None)
     except BaseException as error:
         failure = _record_failure(error, run_dir, beat, watchdog) if holds_run_dir else None
         distributed.shutdown(after_error=True)
+        if isinstance(error, torch.OutOfMemoryError):
+            raise UserError(advice.out_of_memory_report(config, world_size, beat.rank, error)) from None
         if failure is not None:
             raise failure from error
         raise

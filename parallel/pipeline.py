@@ -108,10 +108,51 @@ def balanced_layout(num_blocks: int, num_stages: int, embed_cost: float, head_co
     return [end - start for start, end in zip(edges, edges[1:])]
 
 
+def block_counts(layers: list[spec.Layer], num_stages: int, layout: str | None = None) -> list[int]:
+    """Blocks per stage: as `layout` (--pp-layout) lists them, else balanced by cost."""
+    num_blocks = len(layers) - 2
+    if layout:
+        return parse_layout(layout, num_blocks, num_stages)
+    return balanced_layout(num_blocks, num_stages, *layer_costs(layers))
+
+
 def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
     if schedule in V_SHAPED:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(virtual)]
+
+
+def chunks_in_flight(schedule: str, pp: int, pp_rank: int, virtual: int, num_microbatches: int) -> list[int]:
+    """The local stage (0 .. virtual-1) of each micro-batch whose activations rank `pp_rank` holds
+    at once at the peak of a schedule. GPipe and looped BFS run every forward before any backward;
+    1F1B holds pp - rank; the interleaved schedules hold torch's warm-up forwards (as its
+    `_get_warmup_ops` counts them) and one more, in rounds of pp micro-batches per local stage.
+    The V schedule (zbv) is approximated by the warm-up of its two stages."""
+    m = num_microbatches
+    if schedule == "gpipe":
+        return [0] * m
+    if schedule == "looped-bfs":
+        return [stage for stage in range(virtual) for _ in range(m)]
+    if schedule == "1f1b":
+        return [0] * min(m, pp - pp_rank)
+    if schedule in V_SHAPED:
+        return [0] * min(m, pp - pp_rank) + [1] * min(m, pp - pp_rank)
+    warmup = (virtual - 1) * pp + (1 if schedule == "zb" else 2) * (pp - 1 - pp_rank)
+    return [(i // pp) % virtual for i in range(min(warmup + 1, m * virtual))]
+
+
+def bubble_fraction(schedule: str, pp: int, virtual: int, num_microbatches: int) -> float:
+    """The idle share of a pipelined step in the ideal schedule: (pp-1) / (m + pp-1) when each
+    rank runs its stages one micro-batch round after another, (pp-1) / (v m + pp-1) when they
+    interleave; the zero-bubble schedules fill most of it with weight-gradient work."""
+    if pp == 1:
+        return 0.0
+    m, v = num_microbatches, virtual
+    if schedule in SPLIT_BACKWARD:
+        return (pp - 1) / (3 * v * m + pp - 1)
+    if schedule == "interleaved-1f1b":
+        return (pp - 1) / (v * m + pp - 1)
+    return (pp - 1) / (m + pp - 1)
 
 
 def stage_layers(layers: list[spec.Layer], counts: list[int], stage: int) -> list[spec.Layer]:

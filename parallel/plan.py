@@ -14,6 +14,7 @@ dp_replicate > 1), as `data_parallel_axes` says.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Union
 
@@ -182,6 +183,27 @@ class Plan:
             # FSDP shards dim 0 over dp_shard x cp; HSDP replicates those shards over dp_replicate.
             layout[dim] = "R" if dim == "dp_replicate" else "S(0)"
         return {dim: layout[dim] for dim in MESH_DIMS if dim in layout}
+
+    def gathered_shape(self, shape: tuple[int, ...], axes: tuple[str, ...]) -> tuple[int, ...]:
+        """The shape FSDP all-gathers for compute on the first rank: split over the model-parallel
+        dims (tp, or ep for expert weights) only (uneven splits round up, like torch.chunk)."""
+        gathered = list(shape)
+        if self.is_expert(axes) and self.mesh_spec.ep > 1:
+            dims_and_placements = [("ep", p) for p in self.expert_placements(axes)]
+        else:
+            dims_and_placements = zip(self.param_mesh_dims, self.param_placements(axes))
+        sizes = {**self.mesh_spec.sizes(), "ep": self.mesh_spec.ep}
+        for dim, placement in dims_and_placements:
+            if isinstance(placement, Shard):
+                gathered[placement.dim] = math.ceil(gathered[placement.dim] / sizes[dim])
+        return tuple(gathered)
+
+    def fsdp_shards(self, axes: tuple[str, ...]) -> int:
+        """How many ranks FSDP splits dim 0 of a parameter over (1: it is whole after gathering)."""
+        spec = self.mesh_spec
+        if self.is_expert(axes) and spec.ep > 1:
+            return spec.dp_shard * spec.cp // spec.ep
+        return spec.dp_shard * spec.cp
 
     def local_shape(self, shape: tuple[int, ...], axes: tuple[str, ...],
                     coordinates: Mapping[str, int] | None = None) -> tuple[int, ...]:

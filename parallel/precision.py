@@ -117,6 +117,12 @@ def fp8_linear(recipe: str | None, device: torch.device, float8_all_gather: bool
     return Float8Linear(recipe, emulate=not native, float8_all_gather=float8_all_gather)
 
 
+def fp8_blocks(num_layers: int, keep_ends: bool) -> frozenset[str]:
+    """The blocks whose matmuls run in FP8: all of them, or all but the first and last."""
+    keep = {0, num_layers - 1} if keep_ends else set()
+    return frozenset(f"blocks.{i}" for i in range(num_layers) if i not in keep)
+
+
 # The devices whose collectives move float8 tensors: NCCL does, gloo does not.
 FLOAT8_COLLECTIVE_DEVICES = ("cuda",)
 

@@ -172,16 +172,9 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
 
 
 def _options(row: dict, leave_out: tuple[str, ...] = ("--mesh", "--run-dir")) -> list[str]:
-    """The run's dtrain flags that change what is measured, without the flags in `leave_out` and
-    their values (by default the mesh, shown apart, and where the run wrote its files), each flag
-    with its value and sorted by flag: runs that gave the same flags in another order are one setup."""
-    flags: list[list[str]] = []
-    for arg in row["args"]:
-        if arg.startswith("--") or not flags:
-            flags.append([arg])
-        else:
-            flags[-1].append(arg)
-    return [part for flag in sorted(flags) if flag[0] not in leave_out for part in flag]
+    from dtrain.plan.measured import run_options
+
+    return run_options(row, leave_out)
 
 
 def table(path: Path) -> str:

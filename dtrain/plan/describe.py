@@ -1,10 +1,11 @@
-"""`--print-plan`: the sharding plan of a configuration and its pipeline stages, printed without
-training."""
+"""`--print-plan`: the sharding plan of a configuration, its pipeline stages and the predicted
+memory per rank, printed without training."""
 
 from __future__ import annotations
 
 from dtrain import build, distributed
 from dtrain.config import Config
+from dtrain.plan import advice, memory
 from dtrain.plan.validate import build_plan, validate, with_global_batch
 from models import families
 from parallel import pipeline
@@ -19,13 +20,18 @@ def planned_world_size(config: Config) -> int | None:
 
 
 def print_plan(config: Config) -> None:
-    mesh_spec = MeshSpec.parse(config.parallel.mesh, planned_world_size(config))
+    """The plan for the mesh as given (`--mesh auto`: the planner's choice for the world)."""
+    world_size = planned_world_size(config)
+    if config.parallel.mesh == "auto":
+        config = advice.choose(config, world_size or 1)
+    mesh_spec = MeshSpec.parse(config.parallel.mesh, world_size)
     config = with_global_batch(config, mesh_spec.world_size)
     _, model_cfg = validate(config, mesh_spec.world_size)
     plan = build_plan(config, mesh_spec, model_cfg)
     print(plan.describe(families.layers(model_cfg)))
     if mesh_spec.pp > 1:
         print(describe_stages(config, mesh_spec, build.blocks_per_stage(config, model_cfg, mesh_spec)))
+    print("\n".join(memory_lines(config, mesh_spec)))
 
 
 def stage_text(blocks_per_stage: list[int], stage: int) -> str:
@@ -69,3 +75,17 @@ def rank_ranges(ranks: tuple[int, ...]) -> str:
         else:
             runs.append([rank, rank])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def memory_lines(config: Config, mesh_spec: MeshSpec) -> list[str]:
+    """The predicted peak GPU memory of each pipeline stage's ranks (every rank of a stage holds
+    the same), as python -m dtrain.plan predicts it for H200-class GPUs."""
+    ranks_of_pp_rank: dict[int, list[int]] = {}
+    for rank in range(mesh_spec.world_size):
+        ranks_of_pp_rank.setdefault(mesh_spec.coordinates(rank)["pp"], []).append(rank)
+    lines = ["memory per rank (predicted peak, by category in GB):"]
+    for pp_rank, ranks in sorted(ranks_of_pp_rank.items()):
+        held_by = f"{'ranks' if len(ranks) > 1 else 'rank'} {rank_ranges(tuple(ranks))}"
+        label = f"pp rank {pp_rank} ({held_by})" if mesh_spec.pp > 1 else held_by
+        lines.append(f"  {label}: {memory.predict(config, mesh_spec.world_size, ranks[0]).lines()[0]}")
+    return lines

@@ -36,6 +36,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from dtrain import build, distributed
 from dtrain.config import Config
 from dtrain.optim import build_optimizer
+from dtrain.plan import memory
 from dtrain.plan.accounting import Accounting, CollectiveTally
 from dtrain.plan.describe import planned_world_size, rank_ranges, stage_text
 from dtrain.plan.roles import Role, find_roles
@@ -107,7 +108,7 @@ def dry_run(config: Config) -> list[tuple[Role, ProgramReport]]:
     plan = build_plan(config, mesh_spec, model_cfg)
     counts = build.blocks_per_stage(config, model_cfg, mesh_spec)
     full = full_recompute_blocks(counts, config.train.recompute_layers)
-    fp8 = build.fp8_layers(config, model_cfg.num_layers) if config.train.fp8 else frozenset()
+    fp8 = precision.fp8_blocks(model_cfg.num_layers, config.train.fp8_keep_ends) if config.train.fp8 else frozenset()
     roles = find_roles(plan, model_cfg, counts, schedule=p.pp_schedule, virtual=p.pp_virtual_stages,
                        seq_len=config.data.seq_len, layer_flags=lambda name: (name in full, name in fp8))
     if p.dry_run_rank is not None:
@@ -390,6 +391,8 @@ def _describe_role(config: Config, mesh_spec: MeshSpec, role: Role, report: Prog
         f"  parameters {bytes_text(report.param_bytes)}, gradients {bytes_text(report.grad_bytes)}, "
         f"optimizer state {bytes_text(report.optimizer_bytes)}" + (" (in host memory)" if offload else ""),
         f"  peak memory {bytes_text(peak)} {why}",
+        # The memory model's figure beside the measured one: the planner ranks layouts by it.
+        f"  memory model: {memory.predict(config, mesh_spec.world_size, report.rank).lines()[0]}",
         "  collectives per step: mesh dim, kind, count, bytes",
     ]
     for (dim, kind), tally in sorted(report.collectives.items(), key=lambda kv: (_DIM_ORDER[kv[0][0]], kv[0][1])):

@@ -1,0 +1,123 @@
+"""The planner inside a run: what `--mesh auto` chooses, and what a CUDA out-of-memory error
+reports instead of a bare traceback (this rank's predicted breakdown and the nearest layout the
+planner says fits)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import attrs
+import torch
+
+from dtrain.config import Config
+from dtrain.plan import memory
+from dtrain.plan.hardware import GIGA
+from dtrain.plan.search import Candidate, Target, nothing_fits, search
+from models.errors import UserError
+from parallel.mesh import MeshSpec
+
+logger = logging.getLogger("dtrain")
+
+DEFAULT_GPU_MEMORY_GB = 80.0
+
+
+def gpu_memory_gb(config: Config) -> float:
+    """--gpu-memory-gb, else what the GPU reports, else 80 GB (a machine without GPUs)."""
+    if config.parallel.gpu_memory_gb > 0:
+        return config.parallel.gpu_memory_gb
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIGA
+    return DEFAULT_GPU_MEMORY_GB
+
+
+def gpus_per_node() -> int:
+    """torchrun's processes per node, else the GPUs this host has, else a node of 8 (the host
+    memory that CPU offload may use is shared by a node's GPUs)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local:
+        return int(local)
+    return torch.cuda.device_count() or 8
+
+
+def target_of(config: Config, world_size: int) -> Target:
+    d, t = config.data, config.train
+    return Target(model=config.model.model, model_overrides=config.model.model_overrides, gpus=world_size,
+                  seq_len=d.seq_len, global_batch=d.global_batch or d.micro_batch * world_size,
+                  gpu_memory_gb=gpu_memory_gb(config), gpus_per_node=gpus_per_node(), fp8=t.fp8,
+                  compile=t.compile, precision=t.precision)
+
+
+def choose(config: Config, world_size: int) -> Config:
+    """`--mesh auto`: the planner's best layout for this world (mesh, pipeline schedule,
+    micro-batch, recompute, resharding, offload); the data shape and precision stay the user's.
+    An unset --global-batch is --micro-batch x the world size. Logs the choice and the runner-up."""
+    target = target_of(config, world_size)
+    candidates = search(target)
+    if not candidates:
+        raise UserError(f"--mesh auto: {nothing_fits(target)}")
+    chosen = apply(config, candidates[0])
+    logger.info("--mesh auto chose %s", summary(candidates[0]))
+    if len(candidates) > 1:
+        logger.info("--mesh auto runner-up: %s", summary(candidates[1]))
+    return chosen
+
+
+def apply(config: Config, candidate: Candidate) -> Config:
+    """`config` with the layout of `candidate`."""
+    c = candidate.config
+    parallel = attrs.evolve(config.parallel, mesh=c.parallel.mesh, sequence_parallel=c.parallel.sequence_parallel,
+                            pp_schedule=c.parallel.pp_schedule, pp_virtual_stages=c.parallel.pp_virtual_stages,
+                            pp_layout="", fsdp_reshard_after_forward=c.parallel.fsdp_reshard_after_forward,
+                            cpu_offload=c.parallel.cpu_offload)
+    data = attrs.evolve(config.data, micro_batch=c.data.micro_batch, global_batch=c.data.global_batch)
+    train = attrs.evolve(config.train, recompute=c.train.recompute, recompute_layers=c.train.recompute_layers)
+    return attrs.evolve(config, parallel=parallel, data=data, train=train)
+
+
+def summary(candidate: Candidate) -> str:
+    """The candidate's flags that differ between layouts, its predicted peak and speed."""
+    flags = candidate.command.split(" -m dtrain.run ", 1)[1].split()
+    keep = {"--mesh", "--micro-batch", "--recompute", "--recompute-layers", "--pp-schedule", "--pp-virtual-stages",
+            "--fsdp-reshard-after-forward", "--cpu-offload", "--sequence-parallel"}
+    shown = [f"{flag} {value}" if value and not value.startswith("--") else flag
+             for flag, value in zip(flags, flags[1:] + [""]) if flag in keep]
+    return (f"{' '.join(shown)} (predicted {candidate.memory.total / GIGA:.1f} GB per GPU, "
+            f"{candidate.tokens_per_sec_per_gpu:,.0f} tokens/s/GPU)")
+
+
+def _distance(candidate: Candidate, config: Config, mesh: MeshSpec) -> int:
+    """How many settings a candidate changes: each mesh size, the micro-batch, recompute, offload."""
+    c = candidate.config
+    theirs = MeshSpec.parse(c.parallel.mesh, mesh.world_size)
+    changed = sum(getattr(theirs, key) != getattr(mesh, key) for key in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"))
+    changed += c.data.micro_batch != config.data.micro_batch
+    changed += (c.train.recompute, c.train.recompute_layers) != (config.train.recompute, config.train.recompute_layers)
+    changed += c.parallel.cpu_offload != config.parallel.cpu_offload
+    changed += c.parallel.fsdp_reshard_after_forward != config.parallel.fsdp_reshard_after_forward
+    return changed
+
+
+def out_of_memory_report(config: Config, world_size: int, rank: int, error: BaseException) -> str:
+    """A few lines: the error, this rank's predicted peak and breakdown, the nearest layout that fits."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    limit = gpu_memory_gb(config)
+    lines = [f"rank {rank} ran out of GPU memory ({first_line[:160]})"]
+    try:
+        predicted = memory.predict(config, world_size, rank)
+        lines.append(f"  predicted for this rank: {predicted.lines()[0].replace(' GB at', f' of {limit:g} GB at', 1)}")
+        target = target_of(config, world_size)
+        mesh = MeshSpec.parse(config.parallel.mesh, world_size)
+        fits = search(target)
+    except UserError as planner_error:
+        lines.append(f"  the planner cannot say more: {planner_error}")
+        return "\n".join(lines)
+    if not fits:
+        lines.append(f"  {nothing_fits(target)}")
+        return "\n".join(lines)
+    nearest = min(fits, key=lambda c: (_distance(c, config, mesh), -c.tokens_per_sec_per_gpu))
+    lines.append(f"  nearest layout that fits: {summary(nearest)}")
+    fp8 = f" --fp8 {target.fp8}" if target.fp8 else ""
+    lines.append(f"  python -m dtrain.plan --model {target.model} --gpus {world_size} --gpu-memory-gb {limit:g} "
+                 f"--seq-len {target.seq_len} --global-batch {target.global_batch}{fp8} lists the fastest")
+    return "\n".join(lines)

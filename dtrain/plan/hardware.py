@@ -1,0 +1,65 @@
+"""The machine the models predict for: GPU memory, kernel rates and links.
+
+Rates are measured on H200s (BENCHMARKS.md, TORCH-NOTES.md), not datasheet figures, and the few
+that no microbenchmark pins down (how fast attention and the element-wise kernels run in a whole
+step, how much overlapped collectives slow compute) are fitted on benchmarks/results.jsonl
+(`python -m dtrain.plan --validate`). Inter-node bandwidth is a setting: no row measures it.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+TERA = 1e12
+GIGA = 1e9
+
+
+@attrs.frozen
+class Hardware:
+    gpu_memory_gb: float = 141.0         # what one GPU holds (H200: 141 GB; planners often assume 80)
+    gpus_per_node: int = 8
+    host_memory_gb: float = 2000.0       # per node, for CPU offload (the node's GPUs share it)
+    peak_tflops: float = 989.0           # dense BF16 datasheet peak: the MFU denominator only
+    gemm_tflops: float = 780.0           # BF16 GEMM 8192^3, measured
+    # GEMMs lose efficiency as their smaller weight dim shrinks: rate x n / (n + gemm_half_dim).
+    gemm_half_dim: float = 80.0
+    fp8_gemm_tflops: float = 1398.0      # FP8 e4m3 GEMM 8192^3 (torch._scaled_mm, tensorwise), measured
+    # Bytes moved per element of each FP8 matmul's input and output width and token by dynamic
+    # scaling (amax reads and float8 casts, forward and backward; fitted).
+    fp8_cast_bytes: float = 14.0
+    grouped_gemm_efficiency: float = 0.65  # the experts' grouped GEMM against a dense GEMM of the same size
+    attention_tflops: float = 355.0      # causal cuDNN attention, fwd+bwd, at long sequences
+    # Attention over short key ranges runs slower: rate x s / (s + attention_half_seq).
+    attention_half_seq: float = 3400.0
+    hbm_tb_s: float = 4.23               # device-to-device copy, measured
+    # Element-wise and norm kernels of a block (forward and backward) move this many times the
+    # bytes a block saves for its backward (fitted).
+    elementwise_traffic: float = 1.0
+    nvlink_gb_s: float = 350.0           # NCCL bus bandwidth per GPU inside a node
+    inter_node_gb_s: float = 50.0        # per GPU across nodes (400 Gb/s InfiniBand per GPU)
+    # Compute slows by this fraction of the time collectives overlap with it (their kernels take SMs).
+    overlap_slowdown: float = 0.7
+    collective_latency_s: float = 100e-6  # per collective call
+    host_gb_s: float = 25.0              # host <-> GPU copies (CPU offload)
+    cpu_adam_gb_s: float = 10.0          # AdamW on the CPU, bytes of state touched per second
+    step_overhead_s: float = 0.0005       # launches and host work per step that nothing hides
+    # GPipe and looped BFS (every forward before any backward) ran each micro-batch this much
+    # slower than 1F1B and interleaved 1F1B on 2 H200s (llama-1b, pp=2: the README's bubble table).
+    breadth_first_slowdown: float = 0.15
+    micro_batch_overhead_s: float = 0.0037  # the same per micro-batch and pipeline stage
+
+    @property
+    def gpu_memory_bytes(self) -> float:
+        return self.gpu_memory_gb * GIGA
+
+    @property
+    def host_bytes_per_gpu(self) -> float:
+        return self.host_memory_gb * GIGA / self.gpus_per_node
+
+    def link_gb_s(self, group_span: int) -> float:
+        """Bus bandwidth per GPU of a collective over `group_span` consecutive ranks (the group's
+        stride times its size): NVLink inside a node, the network across nodes."""
+        return self.nvlink_gb_s if group_span <= self.gpus_per_node else self.inter_node_gb_s
+
+
+H200 = Hardware()

@@ -1,0 +1,154 @@
+"""The models against the GPU: predicted and measured peak memory and tokens/s for the rows of
+benchmarks/results.jsonl that `python -m tools.bench --table` shows (the newest run of each setup).
+
+    python -m dtrain.plan --validate benchmarks/results.jsonl [--readme README.md]
+
+Some rows were measured on code that has changed since in ways that change what they measured;
+they are listed with the reason and left out (`EXCLUDED`). The tests keep every other row within
+the targets (tests/test_memory_model.py, tests/test_step_time.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+
+from dtrain.config import Config, load_config
+from parallel.mesh import MeshSpec
+
+MEMORY_TOLERANCE = 0.10
+THROUGHPUT_TOLERANCE = 0.15
+
+# Commits at which the setup ran differently from today's code: (reason, what it affects).
+EXCLUDED = {
+    "a5c908e": ("before b17a54e the head and cross-entropy were not compiled: fp32 logits", "both"),
+    "2d8561b": ("before b17a54e the head and cross-entropy were not compiled: fp32 logits", "both"),
+    "e44d5ba": ("before b17a54e (eager head, fp32 logits) and f368a2a (all-gather CP on fused kernels)", "both"),
+}
+# Before 99163f8 and 3dc4650, MoE blocks went past torch.compile's recompile limit and ran half
+# their blocks eagerly.
+EXCLUDED_MOE = {"75c3da5": ("MoE blocks past the recompile limit ran eagerly (fixed in 99163f8, 3dc4650)", "both")}
+# At these commits q/k/v and gate/up were one matmul each by default (--fuse-projections now).
+FUSED_BY_DEFAULT = {"f12b8b3", "d5e057e"}
+# Before 1e030f2 (--ep-dispatch auto) expert parallelism always ran the all-to-all.
+ALLTOALL_BY_DEFAULT = {"75c3da5", "d6e61d5", "772c521"}
+# An untrained router on synthetic tokens sends most tokens to a few experts; under ep the rank
+# holding them sets the pace, which no model of the configuration can know.
+UNBALANCED_EP = "untrained routing under ep: the step waits for the most loaded rank"
+
+
+@attrs.frozen
+class Row:
+    """One measured run, the configuration it ran, and why it is left out (if it is)."""
+
+    data: dict
+    config: Config
+    excluded: str | None = None        # from both comparisons
+    time_excluded: str | None = None   # from the tokens/s comparison only
+
+    @property
+    def gpus(self) -> int:
+        return self.data["gpus"]
+
+    @property
+    def label(self) -> str:
+        return (f"{self.data['shape']} {self.data['mesh']} seq {self.data['seq_len']} "
+                f"{self.data['micro_batch']}/{self.data['global_batch']} {' '.join(run_options(self.data))}")
+
+
+def run_options(row: dict, leave_out: tuple[str, ...] = ("--mesh", "--run-dir")) -> list[str]:
+    """A benchmark row's dtrain flags that change what is measured, without the flags in
+    `leave_out` and their values (by default the mesh, shown apart, and where the run wrote its
+    files), each flag with its value and sorted by flag: runs that gave the same flags in another
+    order are one setup. `tools.bench --table` groups and shows rows by these."""
+    flags: list[list[str]] = []
+    for arg in row["args"]:
+        if arg.startswith("--") or not flags:
+            flags.append([arg])
+        else:
+            flags[-1].append(arg)
+    return [part for flag in sorted(flags) if flag[0] not in leave_out for part in flag]
+
+
+def _setup_key(row: dict) -> tuple:
+    return (row["shape"], row["gpus"], row["mesh"], row["micro_batch"], row["global_batch"], *run_options(row))
+
+
+def newest_rows(path: Path) -> list[Row]:
+    """The newest GPU row of each setup, in file order of their setups, with its configuration."""
+    newest: dict[tuple, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            if row.get("device", "cpu") != "cpu":
+                newest[_setup_key(row)] = row
+    return [_row(data) for data in newest.values()]
+
+
+def _row(data: dict) -> Row:
+    argv = ["--model", data["model"], "--seq-len", str(data["seq_len"]), "--micro-batch", str(data["micro_batch"]),
+            "--global-batch", str(data["global_batch"]), "--precision", data["precision"], *data["args"]]
+    if data["commit"] in FUSED_BY_DEFAULT:
+        argv.append("--fuse-projections")
+    if "ep=" in data["mesh"] and "--ep-dispatch" not in data["args"] and data["commit"] in ALLTOALL_BY_DEFAULT:
+        argv += ["--ep-dispatch", "alltoall"]
+    config = load_config(argv)
+    reason = EXCLUDED.get(data["commit"]) or (EXCLUDED_MOE.get(data["commit"]) if data["shape"] == "mixtral-small" else None)
+    time_reason = None
+    mesh = MeshSpec.parse(config.parallel.mesh if config.parallel.mesh != "single" else "", data["gpus"])
+    if mesh.ep > 1 and "force_load_balance=true" not in config.model.model_overrides:
+        time_reason = UNBALANCED_EP
+    return Row(data, config, reason[0] if reason else None, time_reason)
+
+
+@attrs.frozen
+class Comparison:
+    row: Row
+    memory_gb: float
+    tokens_per_sec_per_gpu: float
+
+    @property
+    def memory_error(self) -> float:
+        return self.memory_gb / self.row.data["peak_mem_gb"] - 1
+
+    @property
+    def throughput_error(self) -> float:
+        return self.tokens_per_sec_per_gpu / self.row.data["tokens_per_sec_per_gpu"] - 1
+
+
+def compare(path: Path) -> list[Comparison]:
+    """Predictions for every newest row (excluded ones too: the table lists them apart)."""
+    from dtrain.plan.memory import predict_peak
+    from dtrain.plan.steptime import predict_step
+
+    return [Comparison(row, predict_peak(row.config, row.gpus)[0].total / 1e9,
+                       predict_step(row.config, row.gpus).tokens_per_sec_per_gpu) for row in newest_rows(path)]
+
+
+def validation_text(path: Path) -> str:
+    """The predicted-against-measured table (markdown), the rows left out and why, and a summary."""
+    comparisons = compare(path)
+    lines = ["| shape | GPUs | mesh | seq | micro/global batch | options | peak memory: measured | predicted | "
+             "error | tok/s/GPU: measured | predicted | error |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    left_out = []
+    for c in comparisons:
+        r = c.row.data
+        if c.row.excluded:
+            left_out.append(f"- {c.row.label} ({r['commit']}): {c.row.excluded}")
+            continue
+        time_error = f"{100 * c.throughput_error:+.1f}%" if not c.row.time_excluded else "not compared (a)"
+        lines.append(f"| {r['shape']} | {r['gpus']} | {r['mesh']} | {r['seq_len']} | {r['micro_batch']}/{r['global_batch']} | "
+                     f"{' '.join(run_options(r)) or '-'} | {r['peak_mem_gb']:.1f} GB | {c.memory_gb:.1f} GB | "
+                     f"{100 * c.memory_error:+.1f}% | {r['tokens_per_sec_per_gpu']:,.0f} | "
+                     f"{c.tokens_per_sec_per_gpu:,.0f} | {time_error} |")
+    included = [c for c in comparisons if not c.row.excluded]
+    timed = [c for c in included if not c.row.time_excluded]
+    worst_memory = max(abs(c.memory_error) for c in included)
+    worst_time = max(abs(c.throughput_error) for c in timed)
+    lines += ["", f"Peak memory within {100 * worst_memory:.1f}% on all {len(included)} rows (target "
+              f"{100 * MEMORY_TOLERANCE:.0f}%); tokens/s within {100 * worst_time:.1f}% on {len(timed)} rows (target "
+              f"{100 * THROUGHPUT_TOLERANCE:.0f}%). (a) {UNBALANCED_EP}.", "", "Rows left out (measured on older code):",
+              *left_out]
+    return "\n".join(lines)

@@ -1,0 +1,288 @@
+"""The step-time model: seconds per optimizer step, tokens/s per GPU and MFU of a configuration.
+
+    from dtrain.plan.steptime import predict_step
+    step = predict_step(config, world_size=1024)       # hardware: H200 unless given
+    step.seconds, step.tokens_per_sec_per_gpu, step.mfu
+
+Per micro-batch and block on a rank: the GEMMs of its weights (their shapes after the plan's
+split, in BF16 or FP8) at measured GEMM rates, causal attention, and element-wise kernels at
+device-copy bandwidth in proportion to the bytes the block saves (activations.py). Collectives
+cross the link their group spans (NVLink inside a node, the network across nodes): tensor,
+context and expert parallelism's collectives wait for their data; FSDP's all-gathers and
+reduce-scatters overlap the compute and cost what they do not hide, and slow the compute they
+overlap. A pipeline adds its schedule's bubble; the optimizer step reads and writes the rank's
+fp32 state once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import attrs
+
+from dtrain.config import Config
+from dtrain.plan import activations
+from dtrain.plan.activations import DTYPE_BYTES
+from dtrain.plan.hardware import GIGA, H200, TERA, Hardware
+from dtrain.plan.workload import Stage, Workload, workload
+from models import flops
+from models.config import MoEConfig
+from parallel import pipeline, precision
+
+# Bytes of AdamW state touched per trainable element in one fused step, with the gradient-norm
+# pass: read and write the fp32 weight and both moments, read the fp32 gradient (twice).
+OPTIMIZER_BYTES = 32
+# FSDP's copies per gathered element and step: the fp32 shard cast into the all-gather input and
+# copied out of its output, the gradient cast to fp32 into the reduce-scatter input and out.
+FSDP_COPY_BYTES = 24
+
+
+@attrs.frozen
+class StepTime:
+    """Seconds of one optimizer step on the slowest rank, by what they are spent on."""
+
+    compute: float          # GEMMs, attention, element-wise kernels (recompute included)
+    communication: float    # tp, cp and ep collectives (waited for), pipeline sends
+    fsdp_exposed: float     # FSDP collectives compute does not hide, and the slowdown of what it hides
+    bubble: float           # pipeline fill and drain
+    optimizer: float        # the AdamW step (on the CPU under --cpu-offload, with its copies)
+    overhead: float
+    tokens: int             # per step, all ranks
+    world_size: int
+    flops_per_token: float
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + self.communication + self.fsdp_exposed + self.bubble + self.optimizer + self.overhead
+
+    @property
+    def tokens_per_sec_per_gpu(self) -> float:
+        return self.tokens / self.seconds / self.world_size
+
+    def mfu(self, hardware: Hardware = H200) -> float:
+        """Model FLOPs utilisation (BENCHMARKS.md's convention), as a fraction."""
+        return self.flops_per_token * self.tokens_per_sec_per_gpu / (hardware.peak_tflops * TERA)
+
+    def as_dict(self) -> dict[str, float]:
+        names = ("compute", "communication", "fsdp_exposed", "bubble", "optimizer", "overhead")
+        return {name: round(getattr(self, name), 4) for name in names} | {"seconds": round(self.seconds, 4)}
+
+
+def predict_step(config: Config, world_size: int, hardware: Hardware = H200) -> StepTime:
+    """The step time of `config` in a world of `world_size` ranks on `hardware`."""
+    first = workload(config, world_size, 0)
+    pp = first.mesh_spec.pp
+    works = [first] if pp == 1 else [first, workload(config, world_size, world_size - 1)]
+    return max((predict_workload(w, hardware) for w in works), key=lambda s: s.seconds)
+
+
+def predict_workload(work: Workload, hardware: Hardware = H200) -> StepTime:
+    d, p = work.config.data, work.config.parallel
+    m = work.num_microbatches
+    per_micro_batch = [_stage_seconds(work, stage, hardware) for stage in work.stages]
+    compute = m * (sum(c for c, _ in per_micro_batch) + len(work.stages) * hardware.micro_batch_overhead_s)
+    if work.mesh_spec.pp > 1 and p.pp_schedule in ("gpipe", "looped-bfs"):
+        compute *= 1 + hardware.breadth_first_slowdown
+    communication = m * sum(c for _, c in per_micro_batch)
+    bubble_share = pipeline.bubble_fraction(p.pp_schedule, work.mesh_spec.pp, p.pp_virtual_stages, m)
+    bubble = (compute + communication) * bubble_share / (1 - bubble_share)
+    fsdp = _fsdp_exposed(work, compute, hardware)
+    return StepTime(
+        compute=compute, communication=communication, fsdp_exposed=fsdp, bubble=bubble,
+        optimizer=_optimizer_seconds(work, hardware), overhead=hardware.step_overhead_s,
+        tokens=d.global_batch * d.seq_len, world_size=work.mesh_spec.world_size,
+        flops_per_token=_flops_per_token(work.model_cfg, d.seq_len),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _flops_per_token(model_cfg, seq_len: int) -> float:
+    return flops.flops_per_token(model_cfg, seq_len)
+
+
+def _stage_seconds(work: Workload, stage: Stage, hw: Hardware) -> tuple[float, float]:
+    """(compute, waited-for communication) of one micro-batch of a stage, forward and backward."""
+    t = work.config.train
+    compute = communication = 0.0
+    for block, mode, count in work.block_mix(stage):
+        block_compute, block_communication = _block_seconds(work, block, mode, hw)
+        compute += count * block_compute
+        communication += count * block_communication
+    if stage.last:
+        compute += _head_seconds(work, hw)
+        communication += _allreduce(work.tokens * _residual_bytes(work), work.mesh_spec.tp, hw.link_gb_s(work.mesh_spec.tp), hw)
+    if stage.first:
+        # The vocab-parallel lookup is summed over tp.
+        communication += _allreduce(work.tokens * _residual_bytes(work), work.mesh_spec.tp, hw.link_gb_s(work.mesh_spec.tp), hw)
+    if work.mesh_spec.pp > 1:
+        span = work.mesh_spec.world_size // work.mesh_spec.pp * 2
+        sent = work.tokens * DTYPE_BYTES[t.precision] * (work.model_cfg.dim / work.mesh_spec.tp if work.plan.sequence_parallel
+                                                         else work.model_cfg.dim)
+        communication += 2 * sent / (hw.link_gb_s(span) * GIGA)
+    return compute, communication
+
+
+def _residual_bytes(work: Workload) -> float:
+    return DTYPE_BYTES[work.config.train.precision] * work.model_cfg.dim
+
+
+def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple[float, float]:
+    """One micro-batch of one block on this rank: compute and waited-for communication."""
+    cfg, mesh, t = work.model_cfg, work.mesh_spec, work.config.train
+    gemm = _gemm_seconds(work, block, hw)
+    attention = _attention_seconds(work, hw)
+    elementwise = (hw.elementwise_traffic * activations.block_bytes(work, block, "none")
+                   / (hw.hbm_tb_s * TERA)) * (1 if t.compile else 2)
+    if mode == "full":
+        # The forward runs again in backward, its collectives too.
+        compute = (gemm + attention) * 4 / 3 + elementwise * 1.5
+    elif mode == "selective":
+        compute = gemm + attention + elementwise * 4 / 3
+    else:
+        compute = gemm + attention + elementwise
+    comm = 0.0
+    residual = work.tokens * _residual_bytes(work)
+    moe = work.block_kinds[block] == "moe"
+    if mesh.tp > 1:
+        # Attention and MLP regions: an all-reduce (or all-gather and reduce-scatter under SP)
+        # each, forward and backward; an MoE layer gathers its tp ranks' token shares instead.
+        regions = 3 if moe else 4
+        if mode == "full":
+            regions += 1.5 if moe else 2
+        comm += regions * _allreduce(residual, mesh.tp, hw.link_gb_s(mesh.tp), hw)
+    if mesh.cp > 1:
+        comm += _context_parallel_seconds(work, attention, hw)
+    if moe and mesh.ep > 1:
+        comm += _expert_parallel_seconds(work, hw) * (1.5 if mode == "full" else 1)
+    return compute, comm
+
+
+def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> float:
+    """The block's matmuls (forward and backward: 6 FLOPs per weight element and row) with the
+    weights' shapes on this rank; routed experts see top_k rows per token of the tp rank's share."""
+    fp8 = block in work.fp8_blocks
+    seconds = 0.0
+    for shape, is_expert, axes in work.weights_by_kind[work.block_kinds[block]]:
+        flops = 6 * math.prod(shape[-2:]) * work.tokens
+        smaller = min(shape[-2:])
+        rate = hw.gemm_tflops * smaller / (smaller + hw.gemm_half_dim)
+        if is_expert:
+            flops = flops / work.mesh_spec.tp * work.model_cfg.top_k
+            rate *= hw.grouped_gemm_efficiency
+        elif fp8 and precision.is_fp8_matmul_weight(axes):
+            rate = hw.fp8_gemm_tflops * smaller / (smaller + hw.gemm_half_dim)
+            # Dynamic scaling reads each input and output gradient for its amax and writes its casts.
+            seconds += hw.fp8_cast_bytes * sum(shape[-2:]) * work.tokens / (hw.hbm_tb_s * TERA)
+        seconds += flops / (rate * TERA)
+    return seconds
+
+
+def _attention_seconds(work: Workload, hw: Hardware) -> float:
+    """Causal attention: forward 4 FLOPs per query, key and query width over the keys before each
+    query (S/2 on average), backward twice that (12 L d S / 2 of BENCHMARKS.md's convention);
+    slower over short keys (context-parallel blocks are S / 2cp long)."""
+    d, mesh = work.config.data, work.mesh_spec
+    q_width = math.ceil(work.model_cfg.num_heads / mesh.tp) * work.model_cfg.head_dim
+    flops = 6 * work.tokens * d.seq_len * q_width
+    keys = d.seq_len / mesh.cp
+    rate = hw.attention_tflops * keys / (keys + hw.attention_half_seq)
+    return flops / (rate * TERA)
+
+
+def _context_parallel_seconds(work: Workload, attention: float, hw: Hardware) -> float:
+    """allgather: K/V gathered forward and their gradients reduce-scattered backward, waited for;
+    ring: the K/V blocks travel while the previous block is attended to (what attention does not
+    hide is waited for); a2a: q, k, v to head shards and the output back, forward and backward."""
+    cfg, mesh, method = work.model_cfg, work.mesh_spec, work.config.parallel.cp_comm
+    b = DTYPE_BYTES[work.config.train.precision]
+    heads = math.ceil(cfg.num_heads / mesh.tp)
+    kv_heads = math.ceil(cfg.num_kv_heads / mesh.tp) if cfg.num_kv_heads >= mesh.tp else cfg.num_kv_heads
+    kv = work.tokens * 2 * kv_heads * cfg.head_dim * b
+    link = hw.link_gb_s(mesh.tp * mesh.cp) * GIGA
+    if method == "allgather":
+        return 2 * (mesh.cp - 1) * kv / link + 2 * hw.collective_latency_s
+    if method == "ring":
+        moved = 3 * (mesh.cp - 1) * kv / link
+        return max(0.0, moved - attention) + 3 * (mesh.cp - 1) * hw.collective_latency_s
+    exchanged = work.tokens * (2 * heads + 2 * kv_heads) * cfg.head_dim * b * (mesh.cp - 1) / mesh.cp
+    return 2 * exchanged / link + 4 * hw.collective_latency_s
+
+
+def _expert_parallel_seconds(work: Workload, hw: Hardware) -> float:
+    """Tokens to their experts and back, forward and backward: top_k rows per token over the
+    all-to-all ((ep-1)/ep of them leave the rank), or ep - 1 whole tokens gathered and
+    reduce-scattered by the all-gather dispatch. The all-to-all also reads its split sizes on
+    the host, which stalls the launch queue."""
+    cfg: MoEConfig = work.model_cfg
+    mesh = work.mesh_spec
+    b = DTYPE_BYTES[work.config.train.precision]
+    tokens = work.tokens / mesh.tp
+    link = hw.link_gb_s(mesh.tp * mesh.ep) * GIGA
+    if work.ep_dispatch == "allgather":
+        return 4 * (mesh.ep - 1) * tokens * cfg.dim * b / link + 4 * hw.collective_latency_s
+    moved = 4 * cfg.top_k * tokens * cfg.dim * b * (mesh.ep - 1) / mesh.ep
+    return moved / link + 6 * hw.collective_latency_s + 2 * HOST_SYNC_S
+
+
+# A host read of device data: the launch queue drains and refills.
+HOST_SYNC_S = 100e-6
+
+
+def _head_seconds(work: Workload, hw: Hardware) -> float:
+    """Output projection and cross-entropy: the logits are read and written a few times (fused
+    with the loss on one tp rank; fp32 log-probabilities under tp or without compile)."""
+    cfg, mesh, t = work.model_cfg, work.mesh_spec, work.config.train
+    vocab = math.ceil(cfg.vocab_size / mesh.tp)
+    smaller = min(vocab, cfg.dim)
+    fp8 = t.fp8 is not None and t.fp8_head
+    rate = (hw.fp8_gemm_tflops if fp8 else hw.gemm_tflops) * smaller / (smaller + hw.gemm_half_dim)
+    gemm = 6 * work.tokens * vocab * cfg.dim / (rate * TERA)
+    if fp8:
+        gemm += hw.fp8_cast_bytes * (vocab + cfg.dim) * work.tokens / (hw.hbm_tb_s * TERA)
+    fused = t.compile and mesh.tp == 1
+    logits_bytes = work.tokens * vocab * (4 * DTYPE_BYTES[t.precision] if fused else 24)
+    return gemm + logits_bytes / (hw.hbm_tb_s * TERA)
+
+
+def _allreduce(size: float, ranks: int, link_gb_s: float, hw: Hardware) -> float:
+    if ranks == 1:
+        return 0.0
+    return 2 * size * (ranks - 1) / ranks / (link_gb_s * GIGA) + hw.collective_latency_s
+
+
+def _fsdp_exposed(work: Workload, compute: float, hw: Hardware) -> float:
+    """FSDP's collectives of one step: what compute cannot hide (the first all-gather, the last
+    reduce-scatter, and any excess over the compute), plus the slowdown of the compute they overlap."""
+    p, mesh = work.config.parallel, work.mesh_spec
+    totals = work.unit_totals()
+    m = work.num_microbatches
+    once = mesh.pp > 1 or p.fsdp_reduce_once
+    span = mesh.tp * mesh.cp * mesh.dp_shard
+    link = hw.link_gb_s(span) * GIGA
+    # Units kept gathered are gathered once per micro-batch (once per step where gradients are
+    # reduced once); resharded units again for each backward.
+    kept_gathers, resharded_gathers, reductions = (1 if once else m), 2 * m, (1 if once else m)
+    moved = (kept_gathers * totals.share_kept_bytes + resharded_gathers * totals.share_resharded_bytes
+             + reductions * 4 * totals.share_reduced)
+    total = moved / link + totals.collectives * (kept_gathers + reductions) * hw.collective_latency_s
+    if mesh.dp_replicate > 1:
+        replicas = mesh.dp_replicate
+        reduced = 4 * totals.trainable * 2 * (replicas - 1) / replicas
+        total += reductions * reduced / (hw.link_gb_s(span * replicas) * GIGA)
+    first, last = totals.first_gather_bytes / link, 4 * totals.last_reduced / link
+    hidden = min(total - first - last, compute)
+    return first + last + max(0.0, total - first - last - compute) + hw.overlap_slowdown * hidden
+
+
+def _optimizer_seconds(work: Workload, hw: Hardware) -> float:
+    """The AdamW step, and FSDP's copies into and out of its collectives' buffers (the cast of
+    the fp32 shards for the all-gather, the gradients into fp32 for the reduce-scatter)."""
+    totals = work.unit_totals()
+    trainable = totals.trainable
+    copies = FSDP_COPY_BYTES * totals.gathered_trainable / (hw.hbm_tb_s * TERA)
+    if not work.config.parallel.cpu_offload:
+        return OPTIMIZER_BYTES * trainable / (hw.hbm_tb_s * TERA) + copies
+    # Gradients come to the host, the step runs on the CPU, and the weights go back each step.
+    copies = 4 * trainable * 2 / (hw.host_gb_s * GIGA)
+    return copies + OPTIMIZER_BYTES * trainable / (hw.cpu_adam_gb_s * GIGA)

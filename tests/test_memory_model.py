@@ -1,0 +1,152 @@
+"""The memory model: its activation terms against what autograd really saves (CPU), its peak
+against every included GPU row of benchmarks/results.jsonl, and how it moves with each lever."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from dtrain.config import load_config
+from dtrain.plan import activations, measured, memory
+from dtrain.plan.workload import workload
+from models import families, spec
+from models.context import LocalContext
+from parallel import precision, recompute
+from tests.launch import REPO
+
+RESULTS = REPO / "benchmarks" / "results.jsonl"
+GB = 1e9
+
+# A block with llama-1b's proportions (GQA 4:1, MLP 4x), small enough for the CPU.
+SMALL = "dim=256,num_heads=4,num_kv_heads=1,ffn_dim=1024,num_layers=2,vocab_size=512"
+SMALL_MOE = "dim=256,num_heads=4,num_kv_heads=1,expert_ffn_dim=1024,num_layers=2,vocab_size=512,force_load_balance=true"
+
+
+def _saved_bytes(forward, params, x, aux, ctx) -> int:
+    """Bytes of the distinct storages autograd saves in one forward, leaving out those that
+    existed before it (the parameters and the RoPE tables every block shares)."""
+    before = {t.untyped_storage().data_ptr() for t in [*params.values(), *aux.rope]}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in before:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward(spec.unflatten(params), x, aux, ctx)
+    return sum(saved.values())
+
+
+def _block_case(model: str, overrides: str, args: list[str]):
+    config = load_config(["--model", model, "--model-overrides", overrides, "--seq-len", "128", "--micro-batch", "2",
+                          "--precision", "bf16", *args])
+    work = workload(config, 1, device_type="cpu")
+    layer = families.layers(work.model_cfg)[1]
+    params = {path: spec.init_value(s, 0, path, dtype=torch.bfloat16).requires_grad_(s.trainable)
+              for path, s in spec.flatten(layer.params)}
+    x = torch.randn(2, 128, work.model_cfg.dim, dtype=torch.bfloat16, requires_grad=True) * 1.0
+    aux = families.make_aux(work.model_cfg, torch.arange(128))
+    return config, work, layer, params, x, aux
+
+
+CASES = [
+    # (model, overrides, flags, recompute mode): eager and compiled, each recompute mode that saves.
+    # Selective recompute is counted compiled only: eager, its saved tensors bypass these hooks.
+    # Each compiled case costs 10-20 s on the CI machine, so the compiled FP8 and MoE terms are
+    # held to the GPU rows (the test after this one) instead.
+    ("tiny", SMALL, [], "none"),
+    ("tiny", SMALL, ["--compile"], "none"),
+    ("tiny", SMALL, ["--compile", "--recompute", "selective"], "selective"),
+    ("tiny-moe", SMALL_MOE, [], "none"),
+]
+
+
+@pytest.mark.parametrize("model,overrides,args,mode", CASES, ids=[" ".join([m, *a]) for m, _, a, _ in CASES])
+def test_block_activations_are_what_autograd_saves(model, overrides, args, mode, monkeypatch):
+    import models.context
+
+    # The CUDA path of the experts (grouped GEMMs), which the model counts, also on the CPU.
+    monkeypatch.setattr(models.context, "grouped_mm_supported", lambda *tensors: True)
+    config, work, layer, params, x, aux = _block_case(model, overrides, args)
+    ctx = LocalContext()
+    if config.train.fp8:
+        fp8 = precision.Float8Linear(config.train.fp8, emulate=True)
+        ctx.linear = lambda x, w: fp8(x, w)
+    forward = recompute.wrap(layer.forward, mode)
+    if config.train.compile:
+        # Inductor's partitioner decides what a compiled graph saves; this backend runs it
+        # without generating kernels, so the saved tensors are the same at a fraction of the time.
+        torch._dynamo.reset()
+        forward = torch.compile(forward, backend="aot_eager_decomp_partition")
+        forward(spec.unflatten(params), x, aux, ctx)  # compiles; the next call is measured
+    measured_bytes = _saved_bytes(forward, params, x, aux, ctx)
+    predicted = activations.block_bytes(work, 0, mode, activations.CPU)
+    assert measured_bytes > 0
+    # Small terms (norm statistics, routing indices) are approximated.
+    assert predicted == pytest.approx(measured_bytes, rel=0.04), (predicted, measured_bytes)
+
+
+def test_peak_memory_within_ten_percent_of_every_included_gpu_row():
+    rows = measured.newest_rows(RESULTS)
+    included = [row for row in rows if row.excluded is None]
+    # Left out, each for the reason measured.EXCLUDED states: 3 rows at a5c908e and 3 at 2d8561b
+    # (before the head was compiled), 1 at e44d5ba, and the 2 MoE rows of 75c3da5.
+    assert len(rows) - len(included) == 9 and len(included) >= 40
+    errors = {}
+    for row in included:
+        predicted = memory.predict_peak(row.config, row.gpus)[0].total / GB
+        errors[row.label] = predicted / row.data["peak_mem_gb"] - 1
+    worst = max(errors, key=lambda label: abs(errors[label]))
+    assert abs(errors[worst]) <= measured.MEMORY_TOLERANCE, (worst, errors[worst])
+
+
+def _config(*args: str):
+    return load_config(["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1", "--compile", *args])
+
+
+def test_each_lever_moves_the_peak_the_way_it_should():
+    def total(*args, world=8):
+        return memory.predict_peak(_config(*args), world)[0].total
+
+    base = total("--mesh", "dp=8")
+    assert total("--mesh", "dp=8", "--micro-batch", "2", "--global-batch", "16") > base
+    assert total("--mesh", "dp=8", "--recompute", "full") < total("--mesh", "dp=8", "--recompute", "selective") < base
+    assert total("--mesh", "dp=4,tp=2", "--sequence-parallel") < total("--mesh", "dp=4,tp=2")
+    assert total("--mesh", "dp=8", "--cpu-offload") < base
+    assert total("--mesh", "dp=8", "--fsdp-reshard-after-forward", "never") > base
+    partial = total("--mesh", "pp=2,dp=4", "--global-batch", "8", "--recompute-layers", "8")
+    assert total("--mesh", "pp=2,dp=4", "--global-batch", "8", "--recompute", "full") < partial
+    assert partial < total("--mesh", "pp=2,dp=4", "--global-batch", "8")
+    gpipe = total("--mesh", "pp=2,dp=4", "--global-batch", "32", "--pp-schedule", "gpipe")
+    assert gpipe > total("--mesh", "pp=2,dp=4", "--global-batch", "32")
+
+
+def test_offloaded_state_is_counted_in_host_memory():
+    on_gpu = memory.predict(_config("--mesh", "dp=8"), 8)
+    offloaded = memory.predict(_config("--mesh", "dp=8", "--cpu-offload"), 8)
+    assert offloaded.parameters == offloaded.optimizer == 0
+    # fp32 weights, AdamW's two moments and the fp32 gradients (half the moments' bytes).
+    assert offloaded.host == pytest.approx(on_gpu.parameters + 1.5 * on_gpu.optimizer)
+
+
+def test_pipeline_ranks_differ_and_the_peak_is_the_largest():
+    config = _config("--mesh", "pp=4,dp=2", "--global-batch", "8")
+    per_rank = [memory.predict(config, 8, rank).total for rank in (0, 2, 4, 6)]
+    assert len(set(per_rank)) > 1
+    peak, rank = memory.predict_peak(config, 8)
+    assert peak.total == max(per_rank) and rank in (0, 2, 4, 6)
+    # 1F1B holds pp - rank micro-batches: the first stage the most.
+    assert per_rank[0] > per_rank[2]
+
+
+def test_breakdown_adds_up_and_prints_each_category():
+    breakdown = memory.predict(_config("--mesh", "dp=8"), 8)
+    assert breakdown.total == pytest.approx(sum(getattr(breakdown, name) for name in breakdown.CATEGORIES))
+    line = breakdown.lines()[0]
+    assert line.startswith(f"{breakdown.total / GB:.1f} GB at the start") and "activations" in line
+    assert attrs.asdict(breakdown)["phase"]
