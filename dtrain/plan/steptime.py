@@ -181,13 +181,21 @@ def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> float:
 def _attention_seconds(work: Workload, hw: Hardware) -> float:
     """Causal attention: forward 4 FLOPs per query, key and query width over the keys before each
     query (S/2 on average), backward twice that (12 L d S / 2 of BENCHMARKS.md's convention);
-    slower over short keys (context-parallel blocks are S / 2cp long)."""
+    slower over short keys (context-parallel blocks are S / 2cp long, windows as long as they are)."""
     d, mesh = work.config.data, work.mesh_spec
     q_width = math.ceil(work.model_cfg.num_heads / mesh.tp) * work.model_cfg.head_dim
-    flops = 6 * work.tokens * d.seq_len * q_width
-    keys = d.seq_len / mesh.cp
+    flops = 12 * work.tokens * _mean_keys(d.seq_len, work.model_cfg.sliding_window) * q_width
+    keys = min(d.seq_len / mesh.cp, work.model_cfg.sliding_window or d.seq_len)
     rate = hw.attention_tflops * keys / (keys + hw.attention_half_seq)
     return flops / (rate * TERA)
+
+
+def _mean_keys(seq_len: int, window: int | None) -> float:
+    """Keys a causal query attends to on average: (S + 1) / 2, or fewer under a sliding window
+    (the kernels skip the blocks outside it)."""
+    if window is None or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
 
 
 def _context_parallel_seconds(work: Workload, attention: float, hw: Hardware) -> float:
