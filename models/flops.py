@@ -34,6 +34,10 @@ def matmul_params(cfg: LlamaConfig | MoEConfig) -> int:
     return total
 
 
-def flops_per_token(cfg: LlamaConfig | MoEConfig, seq_len: int) -> float:
-    """6 N (forward + backward matmuls) + 12 L d S (attention scores and values, causal or not)."""
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.num_layers * cfg.dim * seq_len
+def flops_per_token(cfg: LlamaConfig | MoEConfig, seq_len: int, attended_keys: float | None = None) -> float:
+    """6 N (forward + backward matmuls) + 12 L d S (attention scores and values, causal or not: the
+    convention of BENCHMARKS.md). With `attended_keys`, the mean number of keys a query attends to,
+    the attention term counts those keys instead of S: the work actually needed, which for packed
+    documents is the sum of their causal attention ((S + 1) / 2 keys for one causal document)."""
+    keys = seq_len if attended_keys is None else attended_keys
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.num_layers * cfg.dim * keys

@@ -6,6 +6,7 @@ import contextlib
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
@@ -16,7 +17,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.context import LocalContext, causal_attention
-from parallel.context_parallel import context_parallel_attention
+from models.masking import AttentionMask
+from parallel import masked_attention
+from parallel.context_parallel import WHOLE_ROW, context_parallel_attention, mask_sites
 from parallel.expert_parallel import ExpertParallelContextMixin
 from parallel.plan import Plan
 
@@ -30,8 +33,12 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
     sends tokens to the ranks holding their experts when ep > 1."""
 
     def __init__(self, plan: Plan, mesh: DeviceMesh, cp_method: str = "allgather",
-                 expert_mesh: DeviceMesh | None = None):
+                 expert_mesh: DeviceMesh | None = None, *, device: torch.device | None = None,
+                 compute_dtype: torch.dtype = torch.float32, attention_kernel: str = "auto"):
         self.plan = plan
+        self.device = device if device is not None else torch.device(mesh.device_type)
+        self.compute_dtype = compute_dtype
+        self.attention_kernel = attention_kernel
         dims = plan.activation_mesh_dims
         self.activation_mesh = mesh[dims] if dims else None
         self.cp_group = mesh.get_group("cp") if plan.mesh_spec.cp > 1 else None
@@ -85,24 +92,35 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         placements = [Partial() if name in vocab_dims else Replicate() for name in mesh.mesh_dim_names]
         return DTensor.from_local(out, mesh, placements, run_check=False)
 
-    def attention(self, q, k, v, document_ids=None):
+    def attention_mask(self, document_ids, window=None):
+        cp_rank = dist.get_rank(self.cp_group) if self.cp_group is not None else 0
+        sites = mask_sites(self.cp_method, document_ids.shape[1], self.plan.mesh_spec.cp, cp_rank)
+
+        def kernel_of(whole_row: bool) -> str:
+            return masked_attention.choose_kernel(self.attention_kernel, self.device, self.compute_dtype,
+                                                  whole_row, window)
+
+        return masked_attention.build_mask(document_ids, window, sites, kernel_of, self.device)
+
+    def attention(self, q, k, v, mask=None):
         if not isinstance(q, DTensor):
-            return self._local_attention(q, k, v, document_ids)
+            return self._local_attention(q, k, v, mask)
         # Heads are split over tp: each rank attends with its own heads, no communication.
         q_local = q.to_local()
         if k.placements == q.placements:
             k_local, v_local = k.to_local(), v.to_local()
         else:
             k_local, v_local = (self._kv_for_local_queries(t, q) for t in (k, v))
-        out = self._local_attention(q_local, k_local, v_local, document_ids)
+        out = self._local_attention(q_local, k_local, v_local, mask)
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
 
-    def _local_attention(self, q, k, v, document_ids):
-        if self.cp_group is None:
-            return causal_attention(q, k, v, document_ids)
-        # The sequence is split over cp: attention is the one place those ranks exchange data.
-        assert document_ids is None, "document masking under context parallelism is refused earlier"
-        return context_parallel_attention(q, k, v, group=self.cp_group, method=self.cp_method)
+    def _local_attention(self, q, k, v, mask: AttentionMask | None):
+        if self.cp_group is not None:
+            # The sequence is split over cp: attention is the one place those ranks exchange data.
+            return context_parallel_attention(q, k, v, group=self.cp_group, method=self.cp_method, mask=mask)
+        if mask is None:
+            return causal_attention(q, k, v)
+        return masked_attention.attend(q, k, v, mask.forms[WHOLE_ROW])
 
     @staticmethod
     def _kv_for_local_queries(kv: DTensor, q: DTensor) -> torch.Tensor:

@@ -73,9 +73,10 @@ class ModelModule(nn.Module):
     """The layer sequence `embed`, `blocks` (keyed by layer index), `head`, or a contiguous part
     of it (a pipeline stage: `embed` and `head` are then None where the stage lacks them).
 
-    As a pipeline stage, `forward(x)` takes the previous stage's plain local activation, uses the
-    `stage_aux` the pipeline set, and returns the blocks' output as a plain local tensor: the head
-    and loss run in the schedule's loss function (`head_loss`)."""
+    As a pipeline stage, `forward(x, micro_batch=i)` takes the previous stage's plain local
+    activation and micro-batch i's `stage_auxes[i]` (the pipeline sets them for each step: RoPE
+    positions and attention masks differ between micro-batches), and returns the blocks' output as
+    a plain local tensor: the head and loss run in the schedule's loss function (`head_loss`)."""
 
     def __init__(self, layers: list[spec.Layer], make_param: MakeParam, ctx: ModelContext):
         super().__init__()
@@ -86,7 +87,7 @@ class ModelModule(nn.Module):
         self.head = modules.pop("head", None)
         self.blocks = nn.ModuleDict({name.split(".", 1)[1]: m for name, m in modules.items()})
         self.pipelined = False
-        self.stage_aux: Any = None
+        self.stage_auxes: list[Any] = []
         for layer in layers:
             for path, source in layer.tied.items():
                 owner_name, param_name = source.rsplit(".", 1)
@@ -100,8 +101,12 @@ class ModelModule(nn.Module):
     def tied(self) -> bool:
         return self.head is not None and bool(self.head.tied_sources)
 
-    def forward(self, x: torch.Tensor, aux: Any = None) -> torch.Tensor:
-        aux = self.stage_aux if aux is None else aux
+    def forward(self, x: torch.Tensor, aux: Any = None, micro_batch: torch.Tensor | None = None) -> torch.Tensor:
+        if aux is None:
+            # The schedule hands each stage its micro-batch's slice of a host index tensor; shape
+            # inference may run the stage on a placeholder of it, for which any micro-batch will do.
+            index = 0 if micro_batch is None or micro_batch.device.type == "meta" else int(micro_batch)
+            aux = self.stage_auxes[index]
         if self.embed is not None:
             x = self.embed(x, aux)
         else:

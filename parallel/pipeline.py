@@ -154,41 +154,48 @@ class PipelineRunner:
         self.has_first = 0 in stage_indices
         self.has_last = num_stages - 1 in stage_indices
         last = parts[stage_indices.index(num_stages - 1)] if self.has_last else None
-        self.aux = None
+        self.num_microbatches = num_microbatches
+        self.head_aux = None
         for part in parts:
             part.pipelined = True
 
         def loss_fn(hidden, labels):
-            # Runs on the last stage: head, loss, and the scale to the global batch.
-            return last.head_loss(hidden, attrs.evolve(self.aux, labels=labels)) * self.loss_scale
+            # Runs on the last stage: head, loss, and the scale to the global batch. The head reads
+            # nothing of its micro-batch but the labels the schedule hands it.
+            return last.head_loss(hidden, attrs.evolve(self.head_aux, labels=labels)) * self.loss_scale
 
         self.loss_scale = loss_scale
         self.schedule = build_schedule(parts, stage_indices, num_stages, schedule, num_microbatches,
                                        loss_fn, device, group)
 
-    def step(self, inputs, labels, aux, loss_factor: float = 1.0) -> torch.Tensor:
-        """Forward and backward of all micro-batches; the summed (unscaled) loss of this rank's
-        last stage, zero on ranks without it. `loss_factor` multiplies the loss before backward."""
+    def step(self, inputs, labels, auxes: list, loss_factor: float = 1.0) -> torch.Tensor:
+        """Forward and backward of all micro-batches (`auxes`: each one's aux, in order); the summed
+        (unscaled) loss of this rank's last stage, zero on ranks without it. `loss_factor`
+        multiplies the loss before backward."""
         if loss_factor == 1.0:
-            return self._run(self.schedule.step, inputs, labels, aux)
+            return self._run(self.schedule.step, inputs, labels, auxes)
         scale, self.loss_scale = self.loss_scale, self.loss_scale * loss_factor
         try:
-            return self._run(self.schedule.step, inputs, labels, aux) * loss_factor
+            return self._run(self.schedule.step, inputs, labels, auxes) * loss_factor
         finally:
             self.loss_scale = scale
 
-    def evaluate(self, inputs, labels, aux) -> torch.Tensor:
+    def evaluate(self, inputs, labels, auxes: list) -> torch.Tensor:
         """Forward only, same result as `step`."""
-        return self._run(self.schedule.eval, inputs, labels, aux)
+        return self._run(self.schedule.eval, inputs, labels, auxes)
 
-    def _run(self, run, inputs, labels, aux) -> torch.Tensor:
-        self.aux = aux
+    def _run(self, run, inputs, labels, auxes: list) -> torch.Tensor:
+        assert len(auxes) == self.num_microbatches, (len(auxes), self.num_microbatches)
+        self.head_aux = auxes[0]
         for part in self.parts:
-            part.stage_aux = aux
+            part.stage_auxes = auxes
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         target = labels if self.has_last else None
-        run(*args, target=target, losses=losses)
+        # Split like the inputs, one entry per micro-batch, and given to every stage: the index of
+        # the micro-batch a stage runs, so that it reads that micro-batch's aux.
+        micro_batch = torch.arange(self.num_microbatches)
+        run(*args, target=target, losses=losses, micro_batch=micro_batch)
         if not losses:
             return torch.zeros((), device=labels.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum() / self.loss_scale

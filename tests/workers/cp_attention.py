@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from models.context import causal_attention
+from models.context import LocalContext, causal_attention
 from models.errors import UserError
-from parallel.context_parallel import CP_METHODS, context_parallel_attention, shard_sequence
+from parallel import masked_attention
+from parallel.context_parallel import CP_METHODS, context_parallel_attention, mask_sites, shard_sequence
 
 # name -> (batch, seq_len, heads, kv_heads, head_dim); every seq_len divisible by 2 x 4.
 CASES = {
@@ -23,6 +24,19 @@ CASES = {
     "gqa_8_4_long": (2, 32, 8, 4, 8),
     "mqa": (1, 16, 4, 1, 8),
 }
+
+
+# Masked cases: documents of these lengths in each row (a row of the batch each), and a window.
+MASKED_CASES = {
+    "documents": ((2, 32, 4, 2, 8), [[5, 13, 1, 13], [32]], None),
+    "documents_window": ((2, 32, 4, 2, 8), [[3, 20, 9], [12, 12, 8]], 6),
+    "window": ((1, 32, 4, 4, 8), [[32]], 4),
+    "short_documents": ((1, 32, 4, 1, 8), [[2, 3, 1, 4, 2, 5, 3, 6, 6]], None),
+}
+
+
+def document_ids_of(lengths: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([[number for number, n in enumerate(row) for _ in range(n)] for row in lengths])
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -35,16 +49,29 @@ def _random_inputs(batch, seq_len, heads, kv_heads, head_dim, seed, device="cpu"
     return [torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes]
 
 
-def _check_case(shape, seed, method, group, cp, rank, device="cpu", dtype=torch.float32) -> dict[str, float]:
+def _check_case(shape, seed, method, group, cp, rank, device="cpu", dtype=torch.float32,
+                masked: tuple | None = None) -> dict[str, float]:
+    """`masked`: (document ids [batch, seq], window) for attention within documents and the window."""
     q, k, v, grad = _random_inputs(*shape, seed, device, dtype)
-    # The reference is fp32 math attention of the same (possibly bf16-rounded) inputs.
+    # The reference is fp32 math attention of the same (possibly bf16-rounded) inputs, on one device
+    # with the dense mask (LocalContext's meaning).
     full = [t.detach().to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]
-    reference = causal_attention(*full)
+    reference_mask = global_mask = None
+    if masked is not None:
+        reference_mask = LocalContext().attention_mask(*masked)
+        reference_mask = type(reference_mask)(reference_mask.first_key.to(device), reference_mask.window,
+                                              {n: f.to(device) for n, f in reference_mask.forms.items()})
+        sites = mask_sites(method, shape[1], cp, rank)
+        global_mask = masked_attention.build_mask(
+            *masked, sites, lambda whole_row: masked_attention.choose_kernel("auto", torch.device(device), dtype,
+                                                                             whole_row, masked[1]),
+            torch.device(device))
+    reference = causal_attention(*full, reference_mask)
     reference.backward(grad.float())
     expected = {"out": reference.detach(), "dq": full[0].grad, "dk": full[1].grad, "dv": full[2].grad}
 
     local = [shard_sequence(t, cp, rank).requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*local, group=group, method=method)
+    out = context_parallel_attention(*local, group=group, method=method, mask=global_mask)
     out.backward(shard_sequence(grad, cp, rank).contiguous())
     actual = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
     return {
@@ -79,6 +106,12 @@ def main(rank: int, cp: int, out_dir: str, device: str = "cpu", dtype_name: str 
             if method == "a2a" and (heads % cp or kv_heads % cp):
                 continue
             results[f"{name}/{method}"] = _check_case(shape, seed + 1, method, group, cp, rank, device, dtype)
+    for seed, (name, (shape, lengths, window)) in enumerate(MASKED_CASES.items()):
+        for method in CP_METHODS:
+            if method == "a2a" and (shape[2] % cp or shape[3] % cp):
+                continue
+            results[f"masked_{name}/{method}"] = _check_case(shape, seed + 11, method, group, cp, rank, device,
+                                                             dtype, (document_ids_of(lengths), window))
     results["error/a2a_kv_heads"] = _user_error(1, 4 * cp, 2 * cp, 1, 4, "a2a", group=group)
     results["error/a2a_heads"] = _user_error(1, 4 * cp, 2 * cp + 1, 1, 4, "a2a", group=group)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
