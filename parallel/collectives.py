@@ -6,12 +6,12 @@
 
 torch's functional collectives return at once and wait on first use of their result. On gloo the
 communication runs on the process group's own worker threads, which copy into and out of the
-caller's tensors and keep (and finally drop) references to them. With several such collectives in
-flight while this thread computed on (the all-gather dispatch gathered tokens, expert ids and
-routing weights at once and started on the ids before the tokens had arrived), expert-parallel
-runs corrupted the heap and died on SIGSEGV or "malloc(): unaligned tcache chunk detected" within
-a few hundred steps (issue 25). Here each collective waits for its communication before returning:
-one collective at a time, and no tensor of ours is touched by a worker thread once we go on.
+caller's tensors and hold (and finally drop) references to them. The all-gather dispatch used to
+leave three of them in flight (tokens, expert ids, routing weights) while this thread went on
+allocating and freeing; expert-parallel runs on gloo died now and then on SIGSEGV or "malloc():
+unaligned tcache chunk detected" (issue 25), and a loop of functional all-gathers left in flight
+so crashed where the same loop waiting on each did not. Here each collective waits for its
+communication before returning: one collective at a time, none in flight while we compute.
 
 The ops are the functional collectives' own (`torch.ops._c10d_functional`), each followed at once
 by its `wait_tensor`: selective recompute keeps their outputs (parallel/recompute.py), and on NCCL

@@ -30,7 +30,7 @@ top_k (ep - 1) / ep: ep / top_k times the all-to-all's bytes (the same at ep=2 w
 no more when routing is uneven. Every rank must hold the same number of tokens.
 
 The collectives (parallel/collectives.py) have finished when they return, one at a time: gloo
-runs them on worker threads, and several left in flight at once corrupted the heap (issue 25).
+runs them on worker threads, and runs that left several in flight at once crashed (issue 25).
 
 Backward is plain autograd through the differentiable collectives and the permutations, so a
 local expert's weight gradient sums the contributions of every rank's tokens routed to it: the
