@@ -16,8 +16,9 @@ the first step) and again when its sizes went dynamic. The grouped SwiGLU inside
 on its own, with dynamic row counts from the start.
 
 `--ep-dispatch allgather` exchanges whole tokens without a host sync and with static shapes, so
-the whole exchange compiles into one graph of its own (Megatron's all-gather token dispatcher, for
-small ep). It is `ModelContext.experts_on_tokens`: it gets the routed tokens, not sorted rows.
+everything between its collectives compiles into one graph of its own (Megatron's all-gather
+token dispatcher, for small ep). It is `ModelContext.experts_on_tokens`: it gets the routed
+tokens, not sorted rows.
 
     all-gather every rank's tokens, expert choices and routing weights
     -> the slots of this rank's experts first, grouped by expert -> grouped SwiGLU over them (the
@@ -27,6 +28,9 @@ small ep). It is `ModelContext.experts_on_tokens`: it gets the routed tokens, no
 Each way, a rank moves ep - 1 rows per token it holds, where the balanced all-to-all moves
 top_k (ep - 1) / ep: ep / top_k times the all-to-all's bytes (the same at ep=2 with top-2), and
 no more when routing is uneven. Every rank must hold the same number of tokens.
+
+The collectives (parallel/collectives.py) have finished when they return, one at a time: gloo
+runs them on worker threads, and runs that left several in flight at once crashed (issue 25).
 
 Backward is plain autograd through the differentiable collectives and the permutations, so a
 local expert's weight gradient sums the contributions of every rank's tokens routed to it: the
@@ -41,11 +45,11 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from models.context import grouped_swiglu
 from models.errors import UserError
+from parallel import collectives
 
 
 def _check_shapes(x, counts, weights, num_experts: int, ep: int) -> int:
@@ -101,14 +105,12 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
 
     # Rank r's counts for its experts block j go to rank j; rank j then holds, as row r of
     # received_counts, how many rows rank r sends for each of j's experts.
-    received_counts = funcol.all_to_all_single(counts.contiguous(), None, None, group)
-    received_counts = received_counts.view(ep, local_experts)
+    received_counts = collectives.all_to_all(counts, None, None, group).view(ep, local_experts)
     send_and_receive = torch.stack([counts.view(ep, local_experts).sum(1), received_counts.sum(1)])
     send_splits, receive_splits = send_and_receive.tolist()
     total_received = sum(receive_splits)
 
-    # The results of the functional collectives wait for the communication on first use.
-    received = funcol.all_to_all_single_autograd(x.contiguous(), receive_splits, send_splits, group)
+    received = collectives.all_to_all(x, receive_splits, send_splits, group)
 
     destination = _expert_major_positions(received_counts, total_received)
     gather_order = torch.empty_like(destination).scatter_(
@@ -118,7 +120,7 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
                                    w_down_local)
     out_received = out_by_expert[destination]
 
-    return funcol.all_to_all_single_autograd(out_received.contiguous(), send_splits, receive_splits, group)
+    return collectives.all_to_all(out_received, send_splits, receive_splits, group)
 
 
 def _local_slot_order(all_expert_ids: torch.Tensor, rank: int, local_experts: int):
@@ -137,20 +139,14 @@ def _local_slot_order(all_expert_ids: torch.Tensor, rank: int, local_experts: in
     return order, local_counts, valid
 
 
-def expert_parallel_tokens_allgather(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                                     w_gate_local: torch.Tensor, w_up_local: torch.Tensor,
-                                     w_down_local: torch.Tensor, *, group: dist.ProcessGroup, num_experts: int,
-                                     swiglu=grouped_swiglu) -> torch.Tensor:
-    """`ModelContext.experts_on_tokens` by all-gather and reduce-scatter (the module docstring):
-    x [tokens, embed], expert_ids and weights [tokens, top_k] this rank's routed tokens; every rank
-    of `group` must hold the same number of tokens. Returns [tokens, embed]: each token's weighted
-    sum of its top-k experts' outputs."""
-    ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    local_experts = _check_shapes(x, None, (w_gate_local, w_up_local, w_down_local), num_experts, ep)
-    top_k = expert_ids.shape[1]
-    all_x = funcol.all_gather_tensor_autograd(x.contiguous(), 0, group)
-    all_ids = funcol.all_gather_tensor(expert_ids.contiguous(), 0, group)
-    all_weights = funcol.all_gather_tensor_autograd(weights.contiguous(), 0, group)
+def _gathered_slots_through_local_experts(all_x: torch.Tensor, all_ids: torch.Tensor, all_weights: torch.Tensor,
+                                          w_gate_local: torch.Tensor, w_up_local: torch.Tensor,
+                                          w_down_local: torch.Tensor, *, rank: int, local_experts: int,
+                                          swiglu) -> torch.Tensor:
+    """The all-gather dispatch between its collectives, on the gathered tokens of every rank
+    (`all_x` [tokens, embed], `all_ids` and `all_weights` [tokens, top_k]): [tokens, embed], each
+    token's weighted sum over those of its slots that chose this rank's experts. Static shapes."""
+    top_k = all_ids.shape[1]
     order, local_counts, valid = _local_slot_order(all_ids, rank, local_experts)
     valid = valid[:, None]
     # The slots past this rank's experts' are zeroed on the way in and out, so that neither their
@@ -160,8 +156,27 @@ def expert_parallel_tokens_allgather(x: torch.Tensor, expert_ids: torch.Tensor, 
     # As `models.moe.combine`: weighted in fp32, back in slot order, summed over each token's k.
     weighted = out_sorted.float() * all_weights.flatten()[order, None]
     by_slot = torch.zeros_like(weighted).index_copy(0, order, weighted)
-    partial = by_slot.view(-1, top_k, x.shape[-1]).sum(1).to(x.dtype)
-    return funcol.reduce_scatter_tensor_autograd(partial, "sum", 0, group)
+    return by_slot.view(-1, top_k, all_x.shape[-1]).sum(1).to(all_x.dtype)
+
+
+def expert_parallel_tokens_allgather(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                                     w_gate_local: torch.Tensor, w_up_local: torch.Tensor,
+                                     w_down_local: torch.Tensor, *, group: dist.ProcessGroup, num_experts: int,
+                                     swiglu=grouped_swiglu,
+                                     through_local_experts=_gathered_slots_through_local_experts) -> torch.Tensor:
+    """`ModelContext.experts_on_tokens` by all-gather and reduce-scatter (the module docstring):
+    x [tokens, embed], expert_ids and weights [tokens, top_k] this rank's routed tokens; every rank
+    of `group` must hold the same number of tokens. Returns [tokens, embed]: each token's weighted
+    sum of its top-k experts' outputs. `through_local_experts` is the step between the collectives
+    (`_gathered_slots_through_local_experts`, or a compiled version of it)."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    local_experts = _check_shapes(x, None, (w_gate_local, w_up_local, w_down_local), num_experts, ep)
+    all_x = collectives.all_gather(x, group)
+    all_ids = collectives.all_gather(expert_ids, group)
+    all_weights = collectives.all_gather(weights, group)
+    partial = through_local_experts(all_x, all_ids, all_weights, w_gate_local, w_up_local, w_down_local,
+                                    rank=rank, local_experts=local_experts, swiglu=swiglu)
+    return collectives.reduce_scatter(partial, group)
 
 
 def _local(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -240,12 +255,14 @@ def experts_on_tokens_by_allgather(x: torch.Tensor, expert_ids: torch.Tensor, we
     """`expert_parallel_tokens_allgather` on possibly-DTensor inputs. The local tensors are taken
     outside compiled graphs: traced inside the block, FSDP's gathered expert weights (DTensors)
     change requires_grad after the first step and the block compiles again. `compile_experts`
-    compiles the exchange on its own, once (its shapes are static)."""
-    exchange = _compiled(expert_parallel_tokens_allgather) if compile_experts else expert_parallel_tokens_allgather
+    compiles the step between the collectives on its own, once (its shapes are static)."""
+    local_step = _compiled(_gathered_slots_through_local_experts) if compile_experts else \
+        _gathered_slots_through_local_experts
     # A DTensor weight has the global expert count as its shape; a plain one is this rank's block.
     num_experts = w_gate.shape[0] if isinstance(w_gate, DTensor) else w_gate.shape[0] * ep_size(group)
     inputs = {"expert_ids": expert_ids, "weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
-    return _on_local_tensors(exchange, x, inputs, group=group, num_experts=num_experts)
+    return _on_local_tensors(expert_parallel_tokens_allgather, x, inputs, group=group, num_experts=num_experts,
+                             through_local_experts=local_step)
 
 
 class ExpertParallelContextMixin:

@@ -8,6 +8,12 @@ import torch.distributed as dist
 
 
 def pytest_collection_modifyitems(config, items):
+    # Stress runs take minutes: only a -m expression that names them runs them (pyproject's
+    # addopts leaves them out; a plain `-m "not slow"` would otherwise take them in).
+    if "stress" not in (config.option.markexpr or ""):
+        for item in items:
+            if "stress" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="a stress run: select it with -m stress"))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

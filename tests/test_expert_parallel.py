@@ -1,7 +1,8 @@
 """Expert-parallel dispatch (parallel/expert_parallel.py) against the single-process experts: the
 output, d(x) and each rank's local expert-weight gradients on every rank, fp32 on CPU with gloo,
 relative error <= 1e-5. One spawned group of 4 processes runs every case for ep=4 and for two
-ep=2 groups (tests/workers/ep_dispatch.py)."""
+ep=2 groups (tests/workers/ep_dispatch.py). The exchange's collectives finish one at a time
+(issue 25); tests/test_expert_parallel_stress.py repeats the exchange hundreds of times."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.context import LocalContext
 from models.errors import UserError
 from parallel.expert_parallel import (ExpertParallelContextMixin, _expert_major_positions, choose_dispatch,
-                                      experts_over_group)
+                                      expert_parallel_swiglu, expert_parallel_tokens_allgather, experts_over_group)
 from tests.workers import ep_dispatch
 
 RTOL = 1e-5
@@ -84,3 +87,50 @@ def test_auto_dispatch_takes_the_all_gather_where_it_sends_no_more_bytes():
     assert choose_dispatch("alltoall", ep=2, top_k=2, dropless=True) == "alltoall"
     with pytest.raises(UserError, match="unknown --ep-dispatch 'ring'"):
         choose_dispatch("ring", ep=2, top_k=2, dropless=True)
+
+
+class _CollectiveOps(TorchDispatchMode):
+    """The names of the functional collective ops run (the collectives and their waits), in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_each_collective_has_finished_before_the_next_starts(one_rank_group):
+    # gloo runs collectives on worker threads; the all-gather dispatch once left three in flight
+    # while it went on computing, and runs crashed now and then (issue 25).
+    generator = torch.Generator().manual_seed(0)
+    experts, tokens = 4, 6
+    weights = [torch.randn(shape, generator=generator).requires_grad_() for shape in
+               ((experts, 12, 8), (experts, 12, 8), (experts, 8, 12))]
+    x = torch.randn(tokens, 8, generator=generator, requires_grad=True)
+    ids = torch.tensor([[0, 2], [3, 0], [2, 1], [1, 3], [0, 1], [2, 3]])
+    routing = torch.rand(tokens, 2, generator=generator, requires_grad=True)
+    counts = torch.bincount(ids.flatten(), minlength=experts)
+    rows = torch.randn(int(counts.sum()), 8, generator=generator, requires_grad=True)
+    for name, run in {
+        "allgather": lambda: expert_parallel_tokens_allgather(x, ids, routing, *weights, group=one_rank_group,
+                                                              num_experts=experts),
+        "alltoall": lambda: expert_parallel_swiglu(rows, counts, *weights, group=one_rank_group, num_experts=experts),
+    }.items():
+        with _CollectiveOps() as seen:
+            run().square().sum().backward()
+        collectives, waits = seen.names[0::2], seen.names[1::2]
+        assert waits == ["wait_tensor"] * len(collectives) and "wait_tensor" not in collectives, (name, seen.names)
+        # Forward and backward: the all-gather dispatch gathers tokens, ids and routing weights and
+        # reduce-scatters; backward gathers once and reduce-scatters twice (ids have no gradient).
+        # The all-to-all sends counts, rows and rows back; backward sends both row exchanges back.
+        assert len(collectives) == {"allgather": 7, "alltoall": 5}[name], (name, seen.names)

@@ -10,12 +10,11 @@ import attrs
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.context import grouped_swiglu
-from parallel import recompute
+from parallel import collectives, recompute
 from tests.launch import train_scalars
 
 _aten = torch.ops.aten
@@ -52,7 +51,7 @@ def test_selective_recompute_reruns_element_wise_ops_only(one_rank_group):
         # one rank, as in expert parallelism), the experts' grouped GEMMs.
         h = (x / x.abs().max()) @ w_in
         h = F.silu(h / h.abs().amax(dim=-1, keepdim=True))
-        h = funcol.all_to_all_single_autograd(h.contiguous(), None, None, one_rank_group)
+        h = collectives.all_to_all(h, None, None, one_rank_group)
         return grouped_swiglu(h, counts, w_gate, w_up, w_down, use_grouped_mm=True)
 
     inputs = [torch.randn(rows, d), torch.randn(d, d), torch.randn(e, f, d), torch.randn(e, f, d), torch.randn(e, d, f)]
