@@ -28,9 +28,10 @@ class ModelContext(Protocol):
         """Rows of `weight` [vocab, embed] for each token id."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention over [batch, seq, heads, head_dim] tensors; k/v may have fewer heads (GQA).
-        With `document_ids` [batch, seq], a token attends only within its own document."""
+                  document_ids: torch.Tensor | None = None, *, scale: float | None = None) -> torch.Tensor:
+        """Causal attention over [batch, seq, heads, head_dim] tensors; k/v may have fewer heads (GQA),
+        and v its own head_dim (MLA), which the output has. With `document_ids` [batch, seq], a token
+        attends only within its own document. `scale` multiplies the scores (default head_dim ** -0.5)."""
 
     def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy in fp32; labels of -100 are ignored."""
@@ -59,19 +60,19 @@ class ModelContext(Protocol):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                     document_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal SDPA on [batch, seq, heads, head_dim] inputs, GQA by head groups; with
     `document_ids` [batch, seq] the causal mask is also cut at document boundaries."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = k.shape[1] != q.shape[1]
     if document_ids is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     else:
         seq = q.shape[2]
         causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
         same_document = document_ids[:, :, None] == document_ids[:, None, :]
         mask = (causal & same_document).unsqueeze(1)  # [batch, 1, seq, seq]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     return out.transpose(1, 2)
 
 
@@ -194,8 +195,8 @@ class LocalContext:
     def embedding(self, tokens, weight):
         return F.embedding(tokens, weight)
 
-    def attention(self, q, k, v, document_ids=None):
-        return causal_attention(q, k, v, document_ids)
+    def attention(self, q, k, v, document_ids=None, *, scale=None):
+        return causal_attention(q, k, v, document_ids, scale)
 
     def per_token(self, fn, params, x):
         return fn(params, x)
