@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import logging
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -14,15 +16,53 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 
 from models.context import LocalContext, causal_attention
 from parallel.context_parallel import context_parallel_attention
 from parallel.expert_parallel import ExpertParallelContextMixin
 from parallel.plan import Plan
 
+logger = logging.getLogger("dtrain")
+
 # cuDNN attention is the fastest on Hopper (BENCHMARKS.md), flash next. The memory-efficient
 # kernel is left out: it is slow and gives wrong gradients under load-balanced context parallelism.
 CUDA_ATTENTION_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def fused_causal_attention(q, k, v, document_ids=None, scale=None) -> torch.Tensor:
+    """`causal_attention` on a fused kernel also where V's head dim is smaller than q/k's (MLA):
+    flash wants equal head dims, and cuDNN takes DeepSeek's 192/128 only in some torch and cuDNN
+    versions. Where cuDNN does not take them as they are, V is padded with zeros to q's head dim,
+    which leaves the output's first dims (and all gradients) as they are, and the output is cut back."""
+    value_dim = v.shape[-1]
+    if q.device.type != "cuda" or value_dim >= q.shape[-1]:
+        return causal_attention(q, k, v, document_ids, scale)
+    if _cudnn_takes_head_dims(q.device.index, q.dtype, q.shape[-1], value_dim, q.requires_grad):
+        return causal_attention(q, k, v.contiguous(), document_ids, scale)
+    v = torch.nn.functional.pad(v, (0, q.shape[-1] - value_dim))
+    return causal_attention(q, k, v, document_ids, scale)[..., :value_dim]
+
+
+@torch.compiler.assume_constant_result
+def _cudnn_takes_head_dims(device_index: int, dtype: torch.dtype, qk_dim: int, v_dim: int,
+                           needs_grad: bool) -> bool:
+    # A compiled block asks while it is traced and keeps the answer (the shapes do not change).
+    return _ask_cudnn(device_index, dtype, qk_dim, v_dim, needs_grad)
+
+
+@functools.cache
+def _ask_cudnn(device_index, dtype, qk_dim, v_dim, needs_grad) -> bool:
+    """SDPA's own check, on small tensors of these head dims in the BSHD layout the model gives."""
+    def tensor(dim):
+        t = torch.empty(1, 256, 8, dim, device=torch.device("cuda", device_index), dtype=dtype)
+        return t.requires_grad_(needs_grad).transpose(1, 2)
+
+    q, v = tensor(qk_dim), tensor(v_dim)
+    takes = bool(can_use_cudnn_attention(SDPAParams(q, q, v, None, 0.0, True, False)))
+    logger.info("attention with head dims q/k %d, v %d: %s", qk_dim, v_dim,
+                "cuDNN as they are" if takes else f"v padded to {qk_dim} (cuDNN does not take them here)")
+    return takes
 
 
 class ParallelContext(ExpertParallelContextMixin, LocalContext):
@@ -85,24 +125,24 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         placements = [Partial() if name in vocab_dims else Replicate() for name in mesh.mesh_dim_names]
         return DTensor.from_local(out, mesh, placements, run_check=False)
 
-    def attention(self, q, k, v, document_ids=None):
+    def attention(self, q, k, v, document_ids=None, *, scale=None):
         if not isinstance(q, DTensor):
-            return self._local_attention(q, k, v, document_ids)
+            return self._local_attention(q, k, v, document_ids, scale)
         # Heads are split over tp: each rank attends with its own heads, no communication.
         q_local = q.to_local()
         if k.placements == q.placements:
             k_local, v_local = k.to_local(), v.to_local()
         else:
             k_local, v_local = (self._kv_for_local_queries(t, q) for t in (k, v))
-        out = self._local_attention(q_local, k_local, v_local, document_ids)
+        out = self._local_attention(q_local, k_local, v_local, document_ids, scale)
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
 
-    def _local_attention(self, q, k, v, document_ids):
+    def _local_attention(self, q, k, v, document_ids, scale):
         if self.cp_group is None:
-            return causal_attention(q, k, v, document_ids)
+            return fused_causal_attention(q, k, v, document_ids, scale)
         # The sequence is split over cp: attention is the one place those ranks exchange data.
         assert document_ids is None, "document masking under context parallelism is refused earlier"
-        return context_parallel_attention(q, k, v, group=self.cp_group, method=self.cp_method)
+        return context_parallel_attention(q, k, v, group=self.cp_group, method=self.cp_method, scale=scale)
 
     @staticmethod
     def _kv_for_local_queries(kv: DTensor, q: DTensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ class _RingAttention(torch.autograd.Function):
     K and V travel stacked as one [2, batch, seq, kv_heads, head_dim] tensor (only the kv heads)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, kernel):
+    def forward(ctx, q, k, v, group, kernel, scale):
         ring, rank, cp_size = _RingShift(group), dist.get_rank(group), dist.get_world_size(group)
         half = q.shape[1] // 2
         kv = torch.stack([k, v])
@@ -61,13 +61,13 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(kv, _KV_TAG) if step + 1 < cp_size else None
             block_k, block_v = kv
             if step == 0:
-                block_out, lse, state = block_attention(kernel, q, block_k, block_v, causal=True)
+                block_out, lse, state = block_attention(kernel, q, block_k, block_v, causal=True, scale=scale)
                 out = block_out.to(lse.dtype).contiguous()  # the merge accumulates in the lse's precision
             elif source < rank:
-                block = block_attention(kernel, q, block_k[:, :half], block_v[:, :half], causal=False)
+                block = block_attention(kernel, q, block_k[:, :half], block_v[:, :half], causal=False, scale=scale)
                 merge_into(out, lse, *block[:2])
             else:
-                block = block_attention(kernel, q[:, half:], block_k, block_v, causal=False)
+                block = block_attention(kernel, q[:, half:], block_k, block_v, causal=False, scale=scale)
                 merge_into(out[:, half:], lse[:, :, half:], *block[:2])
             if pending is not None:
                 kv = ring.finish(pending)
@@ -120,16 +120,18 @@ class _RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 kv = ring.finish(pending_kv)
         grad_k, grad_v = ring.finish(pending_grad_kv)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group: dist.ProcessGroup, *, kernel: str | None = None) -> torch.Tensor:
+def ring_attention(q, k, v, group: dist.ProcessGroup, *, kernel: str | None = None,
+                   scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced queries over the whole sequence, by the ring.
 
     q [batch, local_seq, heads, head_dim], k and v [batch, local_seq, kv_heads, head_dim] in
     `shard_sequence` order, local_seq even. kernel: one of BLOCK_KERNELS, or None for
-    `choose_block_kernel(q)`; cuDNN and flash need CUDA, fp16/bf16 and a supported head_dim."""
+    `choose_block_kernel(q)`; cuDNN and flash need CUDA, fp16/bf16 and a supported head_dim. `scale`
+    multiplies the scores (None: head_dim ** -0.5)."""
     kernel = kernel or choose_block_kernel(q)
     if kernel not in BLOCK_KERNELS:
         raise ValueError(f"unknown ring attention block kernel {kernel!r}; use one of {', '.join(BLOCK_KERNELS)}")
-    return _RingAttention.apply(q, k, v, group, kernel)
+    return _RingAttention.apply(q, k, v, group, kernel, scale)

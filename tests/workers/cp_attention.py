@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -16,12 +17,23 @@ from models.context import causal_attention
 from models.errors import UserError
 from parallel.context_parallel import CP_METHODS, context_parallel_attention, shard_sequence
 
-# name -> (batch, seq_len, heads, kv_heads, head_dim); every seq_len divisible by 2 x 4.
+class Case(NamedTuple):
+    batch: int
+    seq_len: int  # divisible by 2 x 4
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None  # values of a head dim of their own (MLA)
+    scale: float | None = None     # the scores' scale (None: head_dim ** -0.5)
+
+
 CASES = {
-    "gqa_batch2": (2, 16, 4, 2, 8),
-    "mha": (1, 8, 4, 4, 16),
-    "gqa_8_4_long": (2, 32, 8, 4, 8),
-    "mqa": (1, 16, 4, 1, 8),
+    "gqa_batch2": Case(2, 16, 4, 2, 8),
+    "mha": Case(1, 8, 4, 4, 16),
+    "gqa_8_4_long": Case(2, 32, 8, 4, 8),
+    "mqa": Case(1, 16, 4, 1, 8),
+    # DeepSeek's shapes in small: q/k head dim 24 (16 + 8 rotary), values 16, a YaRN-scaled softmax.
+    "mla": Case(2, 16, 4, 4, 24, v_head_dim=16, scale=0.27),
 }
 
 
@@ -29,22 +41,25 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max())
 
 
-def _random_inputs(batch, seq_len, heads, kv_heads, head_dim, seed, device="cpu", dtype=torch.float32):
+def _random_inputs(case: Case, seed, device="cpu", dtype=torch.float32):
+    """q, k, v and the output's gradient."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = [(batch, seq_len, n, head_dim) for n in (heads, kv_heads, kv_heads, heads)]
+    v_dim = case.v_head_dim or case.head_dim
+    shapes = [(case.batch, case.seq_len, n, dim) for n, dim in ((case.heads, case.head_dim), (case.kv_heads, case.head_dim),
+                                                                 (case.kv_heads, v_dim), (case.heads, v_dim))]
     return [torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes]
 
 
-def _check_case(shape, seed, method, group, cp, rank, device="cpu", dtype=torch.float32) -> dict[str, float]:
-    q, k, v, grad = _random_inputs(*shape, seed, device, dtype)
+def _check_case(case: Case, seed, method, group, cp, rank, device="cpu", dtype=torch.float32) -> dict[str, float]:
+    q, k, v, grad = _random_inputs(case, seed, device, dtype)
     # The reference is fp32 math attention of the same (possibly bf16-rounded) inputs.
     full = [t.detach().to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]
-    reference = causal_attention(*full)
+    reference = causal_attention(*full, scale=case.scale)
     reference.backward(grad.float())
     expected = {"out": reference.detach(), "dq": full[0].grad, "dk": full[1].grad, "dv": full[2].grad}
 
     local = [shard_sequence(t, cp, rank).requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*local, group=group, method=method)
+    out = context_parallel_attention(*local, group=group, method=method, scale=case.scale)
     out.backward(shard_sequence(grad, cp, rank).contiguous())
     actual = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
     return {
@@ -54,7 +69,7 @@ def _check_case(shape, seed, method, group, cp, rank, device="cpu", dtype=torch.
 
 def _user_error(*shape_and_method, group) -> str | None:
     *shape, method = shape_and_method
-    q, k, v, _ = _random_inputs(*shape, seed=0)
+    q, k, v, _ = _random_inputs(Case(*shape), seed=0)
     try:
         context_parallel_attention(q, k, v, group=group, method=method)
     except UserError as error:
@@ -73,12 +88,11 @@ def main(rank: int, cp: int, out_dir: str, device: str = "cpu", dtype_name: str 
     dist.init_process_group(backend, init_method=f"file://{out_dir}/store", rank=rank, world_size=cp)
     group = dist.group.WORLD
     results: dict[str, object] = {}
-    for seed, (name, shape) in enumerate(CASES.items()):
-        heads, kv_heads = shape[2], shape[3]
+    for seed, (name, case) in enumerate(CASES.items()):
         for method in CP_METHODS:
-            if method == "a2a" and (heads % cp or kv_heads % cp):
+            if method == "a2a" and (case.heads % cp or case.kv_heads % cp):
                 continue
-            results[f"{name}/{method}"] = _check_case(shape, seed + 1, method, group, cp, rank, device, dtype)
+            results[f"{name}/{method}"] = _check_case(case, seed + 1, method, group, cp, rank, device, dtype)
     results["error/a2a_kv_heads"] = _user_error(1, 4 * cp, 2 * cp, 1, 4, "a2a", group=group)
     results["error/a2a_heads"] = _user_error(1, 4 * cp, 2 * cp + 1, 1, 4, "a2a", group=group)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
