@@ -20,11 +20,11 @@ from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.plan.validate import build_plan, validate
 from dtrain.resilience.faults import FaultInjector
-from models import families, flops, llama, moe, spec
+from models import families, flops, moe, mtp, spec
 from models.errors import UserError
 from parallel import context_parallel, pipeline, precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_
-from parallel.expert_parallel import choose_dispatch
+from parallel.expert_parallel import choose_dispatch, max_ranks_per_token
 from parallel.gradients import clip_grads_
 from parallel.mesh import build_device_mesh, build_expert_mesh
 from parallel.parallelize import add_full_, parallelize
@@ -61,7 +61,7 @@ class Trainer:
         # gradient of the mean loss over the whole global batch.
         # With cp, FSDP also averages over the cp ranks, which each hold 1/cp of every sample.
         self.loss_scale = self.mesh_spec.dp_size * self.mesh_spec.cp / self.global_tokens
-        self.model_parts, self.ctx, self.pipeline = self._build_model()
+        self.model_parts, self.ctx, self.pipeline, self.tied_copies = self._build_model()
         # The whole model on this rank; with pipelining, this rank's stages (several for
         # interleaved schedules) are `model_parts`.
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else None
@@ -92,6 +92,8 @@ class Trainer:
                      if self.mesh_spec.cp > 1 else torch.arange(d.seq_len))
         self.rope_aux = families.make_aux(self.model_cfg, positions.to(runtime.device), loss_scale=self.loss_scale)
         self.router_stats = getattr(self.rope_aux, "router_stats", None)
+        self.mtp_stats = getattr(self.rope_aux, "mtp_stats", None)
+        self.mtp_depth = flops.mtp_depth(self.model_cfg)
         self.peak_flops = peak_flops(runtime.device)
         self._last_read_back = 0.0
         # On the CPU the launch does the work, so there is nothing to overlap: read back at once.
@@ -103,11 +105,18 @@ class Trainer:
         if runtime.is_main:
             logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s%s", config.model.model,
                         spec.count_params(families.layers(self.model_cfg)) / 1e6, self.mesh_spec,
-                        runtime.world_size, runtime.device.type,
-                        f" | ep dispatch {self.ep_dispatch}" if self.ep_dispatch else "")
+                        runtime.world_size, runtime.device.type, self._ep_line())
+
+    def _ep_line(self) -> str:
+        if not self.ep_dispatch:
+            return ""
+        cfg, ep = self.model_cfg, self.mesh_spec.ep
+        ranks = max_ranks_per_token(cfg.num_experts, ep, cfg.top_k, cfg.num_expert_groups, cfg.topk_groups)
+        return f" | ep dispatch {self.ep_dispatch}, each token's experts on at most {ranks} of {ep} ranks"
 
     def _build_model(self):
-        """This rank's part of the model, laid out on the mesh; the pipeline runner if pp > 1."""
+        """This rank's part of the model, laid out on the mesh; the pipeline runner and the
+        parameters two stages hold (`pipeline.TiedCopies`) if pp > 1."""
         t, p = self.config.train, self.config.parallel
         layers = families.layers(self.model_cfg)
         build = functools.partial(
@@ -121,7 +130,7 @@ class Trainer:
         )
         if self.mesh_spec.pp == 1:
             model, ctx = build(layers)
-            return [model], ctx, None
+            return [model], ctx, None, None
         pp = self.mesh_spec.pp
         num_stages = pp * p.pp_virtual_stages
         num_blocks = self.model_cfg.num_layers
@@ -130,13 +139,19 @@ class Trainer:
         ids = pipeline.stage_ids(self.mesh.get_local_rank("pp"), pp, p.pp_virtual_stages, p.pp_schedule)
         parts = [build(pipeline.stage_layers(layers, counts, i))[0] for i in ids]
         d = self.config.data
+        depth = flops.mtp_depth(self.model_cfg)
+
+        def with_targets(aux, packed):  # the labels and the tokens ahead travel as one tensor
+            labels, future = mtp.unpack_targets(packed, depth)
+            return attrs.evolve(aux, labels=labels, mtp_targets=future)
+
         runner = pipeline.PipelineRunner(
             parts, ids, num_stages, p.pp_schedule, d.global_batch // (d.micro_batch * self.mesh_spec.dp_size),
-            self.runtime.device, self.mesh.get_group("pp"), self.loss_scale,
+            self.runtime.device, self.mesh.get_group("pp"), self.loss_scale, with_targets if depth else None,
         )
         if self.runtime.is_main:
             logger.info("pipeline: %s, %d stages, blocks per stage %s", p.pp_schedule, num_stages, counts)
-        return parts, parts[0].ctx, runner
+        return parts, parts[0].ctx, runner, pipeline.TiedCopies(layers, counts, parts, self.mesh, p.pp_schedule)
 
     def _fp8_layers(self) -> frozenset[str]:
         """The blocks whose matmuls run in FP8: all of them, or all but the first and last."""
@@ -154,9 +169,9 @@ class Trainer:
         device = self.runtime.device
         if self.pipeline is not None:
             inputs = self._local(torch.cat([inputs for inputs, _ in micro_batches]))
-            labels = self._local(torch.cat([labels for _, labels in micro_batches]))
+            targets = self._pipeline_targets(torch.cat([labels for _, labels in micro_batches]))
             with self.ctx.kernel_scope():
-                return self.pipeline.step(inputs, labels, self.rope_aux, loss_factor)
+                return self.pipeline.step(inputs, targets, self.rope_aux, loss_factor)
         loss_sum = torch.zeros((), device=device)
         with self.ctx.kernel_scope():
             for index, batch in enumerate(micro_batches):
@@ -182,12 +197,20 @@ class Trainer:
             return tokens
         return context_parallel.shard_sequence(tokens, self.mesh_spec.cp, self.cp_rank)
 
-    def _micro_aux(self, batch) -> llama.Aux:
-        """The micro-batch's labels, and its per-document positions and mask when asked for."""
+    def _pipeline_targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's part of full-sequence labels, packed with the tokens ahead for multi-token
+        prediction (made from the whole sequences: under cp they cross this rank's chunks)."""
+        return self._local(mtp.packed_targets(labels, self.mtp_depth) if self.mtp_depth else labels)
+
+    def _micro_aux(self, batch):
+        """The micro-batch's labels (and tokens ahead, for multi-token prediction), and its
+        per-document positions and mask when asked for."""
         device, d = self.runtime.device, self.config.data
         changes = {"labels": self._local(batch[1])}
+        if self.mtp_depth:
+            changes["mtp_targets"] = self._local(mtp.future_targets(batch[1], self.mtp_depth))
         if d.reset_position_ids:
-            changes["rope"] = llama.make_aux(self.model_cfg, batch.position_ids.to(device)).rope
+            changes["rope"] = families.rope(self.model_cfg, batch.position_ids.to(device))
         if d.document_mask:
             changes["document_ids"] = batch.document_ids.to(device, non_blocking=True)
         return attrs.evolve(self.rope_aux, **changes)
@@ -207,14 +230,16 @@ class Trainer:
                 for first in range(0, len(batches), per_step):
                     group = batches[first:first + per_step]
                     loss_sum += self.pipeline.evaluate(self._local(torch.cat([b[0] for b in group])),
-                                                       self._local(torch.cat([b[1] for b in group])), self.rope_aux)
+                                                       self._pipeline_targets(torch.cat([b[1] for b in group])),
+                                                       self.rope_aux)
             else:
                 for batch in batches:
                     loss_sum += self.model(self._local(batch[0]), self._micro_aux(batch)).float()
         for group in self.loss_groups:
             dist.all_reduce(loss_sum, group=group)
-        if self.router_stats is not None:
-            self.router_stats.reset()  # evaluation routing is not training statistics
+        for stats in (self.router_stats, self.mtp_stats):
+            if stats is not None:
+                stats.reset()  # evaluation is not training statistics
         return loss_sum.item() / (num_steps * d.global_batch * d.seq_len)
 
     def launch_step(self) -> "LaunchedStep":
@@ -229,7 +254,12 @@ class Trainer:
         )
         loss_sum = self.forward_backward(micro_batches, self.faults.loss_factor(self.step + 1))
         rescale_expert_grads_(self.expert_params, self.plan, self.tp_group)
-        grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer)
+        copies = []
+        if self.tied_copies is not None:
+            self.tied_copies.sum_grads()
+            copies = self.tied_copies.copies
+        grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer,
+                                copies=copies)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         if self.refresh_float8_scales:
@@ -239,8 +269,9 @@ class Trainer:
         for group in self.loss_groups:
             dist.all_reduce(loss_sum, group=group)
         router_stats = self._after_moe_step()
+        mtp_stats = self._after_mtp_step()
         self.step += 1
-        return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats)
+        return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats, mtp_stats)
 
     def _read_back(self, launched: "LaunchedStep") -> dict[str, float]:
         """The scalars of a launched step (waits for it). Its time runs from the previous step's
@@ -258,8 +289,9 @@ class Trainer:
             "perf/tokens_per_sec_per_gpu": tokens_per_sec_per_gpu,
             "mem/peak_gb": peak_memory_gb(self.runtime.device),
         }
-        if launched.router_stats is not None:
-            scalars.update(launched.router_stats.scalars())
+        for stats in (launched.router_stats, launched.mtp_stats):
+            if stats is not None:
+                scalars.update(stats.scalars())
         if self.peak_flops is not None:
             scalars["perf/mfu"] = 100.0 * self.flops_per_token * tokens_per_sec_per_gpu / self.peak_flops
         return scalars
@@ -279,8 +311,24 @@ class Trainer:
         rate = self.model_cfg.bias_update_rate
         if rate > 0:
             for part in self.model_parts:
-                moe.update_expert_bias(dict(part.named_parameters()), self.router_stats, rate, add_full_)
+                moe.update_expert_bias(dict(part.named_parameters()), self.router_stats, rate, add_full_,
+                                       block_path=families.block_path(self.model_cfg))
         return self.router_stats.take()
+
+    def _after_mtp_step(self) -> mtp.MTPStats | None:
+        """The step's multi-token prediction losses summed over the ranks holding other tokens (and
+        from the last pipeline stage), to read back later."""
+        if self.mtp_stats is None:
+            return None
+        taken = self.mtp_stats.take()
+        # A fixed shape on every rank: pipeline stages without the MTP layer recorded nothing.
+        totals = torch.zeros(self.mtp_depth, 2, device=self.runtime.device)
+        for depth, value in taken.totals.items():
+            totals[depth] += value
+        for group in self.loss_groups:
+            dist.all_reduce(totals, group=group)
+        taken.totals = dict(enumerate(totals))
+        return taken
 
     def fit(self, before_step=None) -> list[dict[str, float]]:
         """Steps until `--steps`; returns every step's scalars. `before_step(step)` is called
@@ -334,3 +382,4 @@ class LaunchedStep:
     grad_norm: torch.Tensor
     lr: float
     router_stats: moe.RouterStats | None
+    mtp_stats: mtp.MTPStats | None = None

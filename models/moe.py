@@ -200,6 +200,19 @@ class RouterStats:
         self.load.clear()
         self.totals.clear()
 
+    def fresh(self) -> RouterStats:
+        """An empty sink of the same kind (for statistics that may or may not count, `absorb`)."""
+        return RouterStats()
+
+    def absorb(self, other: RouterStats) -> None:
+        """Adds another sink's statistics to these."""
+        for layer in other.load:
+            if layer in self.load:
+                self.load[layer] += other.load[layer]
+                self.totals[layer] += other.totals[layer]
+            else:
+                self.load[layer], self.totals[layer] = other.load[layer], other.totals[layer]
+
     def take(self) -> RouterStats:
         """This step's statistics in a new object, to read later; this one starts the next step empty."""
         taken = RouterStats()

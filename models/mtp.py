@@ -126,6 +126,13 @@ class MTPStats:
     def reset(self) -> None:
         self.totals.clear()
 
+    def fresh(self) -> MTPStats:
+        return MTPStats()
+
+    def absorb(self, other: MTPStats) -> None:
+        for depth, value in other.totals.items():
+            self.totals[depth] = self.totals[depth] + value if depth in self.totals else value
+
     def take(self) -> MTPStats:
         taken = MTPStats()
         taken.totals, self.totals = self.totals, {}

@@ -70,23 +70,31 @@ class LayerModule(nn.Module):
 
 
 class ModelModule(nn.Module):
-    """The layer sequence `embed`, `blocks` (keyed by layer index), `head`, or a contiguous part
-    of it (a pipeline stage: `embed` and `head` are then None where the stage lacks them).
+    """The layer sequence `embed`, `blocks` (keyed by layer index), `mtp` (multi-token prediction,
+    where the model has it), `head`, or a contiguous part of it (a pipeline stage: `embed`, `mtp`
+    and `head` are then None where the stage lacks them).
 
-    As a pipeline stage, `forward(x)` takes the previous stage's plain local activation, uses the
-    `stage_aux` the pipeline set, and returns the blocks' output as a plain local tensor: the head
-    and loss run in the schedule's loss function (`head_loss`)."""
+    As a pipeline stage, `forward(x)` takes the previous stage's plain local activation, calls the
+    `stage_aux` the pipeline set for its aux, and returns the blocks' output as a plain local
+    tensor: the MTP layer, the head and the loss run in the schedule's loss function (`head_loss`),
+    which has the micro-batch's labels. A stage may hold a copy of a layer another stage runs
+    (`Layer.run` False: the embedding, which the last stage's MTP layer shares), registered under
+    the same name so that checkpoints see one parameter."""
 
     def __init__(self, layers: list[spec.Layer], make_param: MakeParam, ctx: ModelContext):
         super().__init__()
         self.ctx = ctx
         self.specs = {f"{layer.name}.{path}": s for layer in layers for path, s in spec.flatten(layer.params)}
         modules = {layer.name: LayerModule(layer, make_param, ctx) for layer in layers}
+        self.copies = [layer.name for layer in layers if not layer.run]
+        assert set(self.copies) <= {"embed"}, self.copies
         self.embed = modules.pop("embed", None)
         self.head = modules.pop("head", None)
+        self.mtp = modules.pop("mtp", None)
         self.blocks = nn.ModuleDict({name.split(".", 1)[1]: m for name, m in modules.items()})
+        self.runs_embedding = self.embed is not None and not self.copies
         self.pipelined = False
-        self.stage_aux: Any = None
+        self.stage_aux: Callable[[], Any] | None = None  # a pipeline stage's aux, one per call
         for layer in layers:
             for path, source in layer.tied.items():
                 owner_name, param_name = source.rsplit(".", 1)
@@ -98,11 +106,16 @@ class ModelModule(nn.Module):
 
     @property
     def tied(self) -> bool:
-        return self.head is not None and bool(self.head.tied_sources)
+        """Whether some layer reads another's parameters (which must then be gathered throughout)."""
+        return any(m is not None and m.tied_sources for m in (self.head, self.mtp))
+
+    def transformer_layers(self) -> list[LayerModule]:
+        """The layers that run transformer blocks: the blocks, and the MTP layer."""
+        return [*self.blocks.values(), *([self.mtp] if self.mtp is not None else [])]
 
     def forward(self, x: torch.Tensor, aux: Any = None) -> torch.Tensor:
-        aux = self.stage_aux if aux is None else aux
-        if self.embed is not None:
+        aux = self.stage_aux() if aux is None else aux
+        if self.runs_embedding:
             x = self.embed(x, aux)
         else:
             x = self.ctx.constrain(x, RESIDUAL, "residual")  # from the previous stage
@@ -110,8 +123,13 @@ class ModelModule(nn.Module):
             x = block(x, aux)
         if self.pipelined:
             return x.to_local() if hasattr(x, "to_local") else x
-        return self.head(x, aux)
+        return self._head(x, aux)
 
     def head_loss(self, x: torch.Tensor, aux: Any) -> torch.Tensor:
-        """The last pipeline stage's head and loss on its blocks' (plain) output."""
-        return self.head(self.ctx.constrain(x, RESIDUAL, "residual"), aux)
+        """The last pipeline stage's MTP layer, head and loss on its blocks' (plain) output."""
+        return self._head(self.ctx.constrain(x, RESIDUAL, "residual"), aux)
+
+    def _head(self, x: torch.Tensor, aux: Any) -> torch.Tensor:
+        if self.mtp is not None:
+            x = self.mtp(x, aux)
+        return self.head(x, aux)

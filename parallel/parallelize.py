@@ -41,7 +41,7 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
         return nn.Parameter(value, requires_grad=param.trainable)
 
     model = ModelModule(layers, make_param, ctx)
-    for block in model.blocks.values():
+    for block in model.transformer_layers():
         if fp8_linear is not None and block.layer_name in fp8_layers:
             block.ctx = ctx.with_fp8(fp8_linear)
         block.forward_fn = recompute.wrap(block.forward_fn, recompute_mode)
