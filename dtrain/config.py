@@ -110,8 +110,8 @@ class TrainArgs:
     resume: str | None = _field(None, "continue from a checkpoint: alone, the latest in --run-dir (none "
                                       "yet: start at step 0); or a step_NNNNNN or run directory",
                                 const="latest")
-    init_from_hf: str | None = _field(None, "start from the weights of a Hugging Face Llama or Mixtral checkpoint "
-                                            "directory (config.json + safetensors)")
+    init_from_hf: str | None = _field(None, "start from the weights of a Hugging Face Llama, Mixtral or DeepSeek-V3 "
+                                            "checkpoint directory (config.json + safetensors)")
     eval_every: int = _field(0, "steps between evaluations on the validation split, logged as val/loss (0: off)")
     eval_steps: int = _field(10, "global batches per evaluation (capped at one pass over the validation split)")
 

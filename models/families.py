@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from models import deepseek, llama, mixtral, moe, mtp, spec
+from models import deepseek, llama, mixtral, mla, moe, mtp, spec
 from models.config import DeepSeekConfig, LlamaConfig, MoEConfig
 
 ModelConfig = LlamaConfig | MoEConfig | DeepSeekConfig
@@ -33,7 +33,7 @@ def make_aux(cfg: ModelConfig, positions: torch.Tensor, *, loss_scale: float = 1
 def rope(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The RoPE tables of `positions` ([seq], or [batch, seq] restarting at each document)."""
     if isinstance(cfg, DeepSeekConfig):
-        return deepseek.mla.rope(cfg, positions)
+        return mla.rope(cfg, positions)
     return llama.make_aux(cfg, positions).rope
 
 

@@ -68,11 +68,11 @@ def attention(p: dict, x: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.
     """MLA on [batch, seq, embed] (normed block input), same shape out."""
     batch, seq, _ = x.shape
     heads, nope, rotary, v_dim = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    if "wq" in p:
-        q = ctx.linear(x, p["wq"])
-    else:
-        q = ctx.linear(rms_norm(ctx.linear(x, p["wq_a"]), p["q_norm"], LATENT_NORM_EPS), p["wq_b"])
-    latent, k_rope = ctx.linear(x, p["wkv_a"]).split([cfg.kv_lora_rank, rotary], dim=-1)
+    # The two projections of x: one matmul where the context fuses them (DeepSeek's fused q/kv down-projection).
+    q, kv_a = ctx.linear_many(x, [p["wq"] if "wq" in p else p["wq_a"], p["wkv_a"]])
+    if "wq_b" in p:
+        q = ctx.linear(rms_norm(q, p["q_norm"], LATENT_NORM_EPS), p["wq_b"])
+    latent, k_rope = kv_a.split([cfg.kv_lora_rank, rotary], dim=-1)
     kv = ctx.linear(rms_norm(latent, p["kv_norm"], LATENT_NORM_EPS), p["wkv_b"])
     by_head = ("batch", "seq", "heads", "head_dim")
     q = ctx.constrain(q.view(batch, seq, heads, nope + rotary), by_head, "attention")

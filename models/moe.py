@@ -48,11 +48,13 @@ class Dispatch(NamedTuple):
 
 def route(x_TD: torch.Tensor, router: torch.Tensor, cfg: MoEConfig,
           selection_bias: torch.Tensor | None = None) -> Routing:
-    """Scores every expert for every token and keeps the top k.
+    """Scores every expert for every token and keeps the top k (from the token's best groups, with
+    group-limited routing).
 
     The router runs in fp32: small differences in bf16 logits flip the top-k choice. The
     selection bias (auxiliary-loss-free balancing) only changes which experts are chosen; the
-    weights are the unbiased scores of the chosen experts.
+    weights are the unbiased scores of the chosen experts (renormalised with route_norm), times
+    routed_scaling_factor.
     """
     logits = F.linear(x_TD.float(), router.float())
     scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()

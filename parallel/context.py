@@ -9,6 +9,7 @@ import logging
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 from torch.distributed.device_mesh import DeviceMesh
@@ -16,7 +17,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 
 from models.context import LocalContext, causal_attention
 from parallel.context_parallel import context_parallel_attention
@@ -48,11 +48,11 @@ def fused_causal_attention(q, k, v, document_ids=None, scale=None) -> torch.Tens
 def _cudnn_takes_head_dims(device_index: int, dtype: torch.dtype, qk_dim: int, v_dim: int,
                            needs_grad: bool) -> bool:
     # A compiled block asks while it is traced and keeps the answer (the shapes do not change).
-    return _ask_cudnn(device_index, dtype, qk_dim, v_dim, needs_grad)
+    return cudnn_takes_head_dims(device_index, dtype, qk_dim, v_dim, needs_grad)
 
 
 @functools.cache
-def _ask_cudnn(device_index, dtype, qk_dim, v_dim, needs_grad) -> bool:
+def cudnn_takes_head_dims(device_index: int, dtype: torch.dtype, qk_dim: int, v_dim: int, needs_grad: bool) -> bool:
     """SDPA's own check, on small tensors of these head dims in the BSHD layout the model gives."""
     def tensor(dim):
         t = torch.empty(1, 256, 8, dim, device=torch.device("cuda", device_index), dtype=dtype)
