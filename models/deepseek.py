@@ -4,7 +4,8 @@ The layer sequence `embed, blocks.0 .. blocks.{L-1}, [mtp,] head`: Llama's embed
 blocks of Multi-head Latent Attention (`models.mla`) and the MoE feed-forward of `models.mixtral`
 (the first `first_dense_layers` dense), with group-limited routing where configured
 (`models.moe`); and, with mtp_depth > 0, the multi-token prediction layer (`models.mtp`), which
-shares the embedding, the final norm and the output projection.
+shares the embedding, the final norm and the output projection. The MTP layer and the head both
+read the last block's output; the MTP layer gives a term that the head's loss is added to.
 """
 
 from __future__ import annotations
@@ -74,9 +75,15 @@ def forward(params: dict[str, Any], tokens: torch.Tensor, labels: torch.Tensor, 
             ctx: ModelContext, router_stats: moe.RouterStats | None = None,
             mtp_stats: mtp.MTPStats | None = None) -> torch.Tensor:
     """The whole model on a parameter tree keyed like `layers(cfg)`: the summed next-token loss over
-    the labels (the MTP losses reach the gradient, and `mtp_stats`, on their own)."""
+    the labels (plus the MTP term, zero in value: the MTP losses reach the gradient, and
+    `mtp_stats`)."""
     aux = make_aux(cfg, torch.arange(tokens.shape[1], device=tokens.device), labels, router_stats,
                    mtp_stats=mtp_stats)
-    if cfg.mtp_depth:
-        aux = attrs.evolve(aux, mtp_targets=mtp.future_targets(labels, cfg.mtp_depth))
-    return llama.run_layers(layers(cfg), params, tokens, aux, ctx)
+    by_name = {layer.name: layer for layer in layers(cfg)}
+    mtp_layer, head = by_name.pop("mtp", None), by_name.pop("head")
+    x = llama.run_layers(list(by_name.values()), params, tokens, aux, ctx)
+    loss = llama.run_layers([head], params, x, aux, ctx)
+    if mtp_layer is None:
+        return loss
+    aux = attrs.evolve(aux, mtp_targets=mtp.future_targets(labels, cfg.mtp_depth))
+    return loss + llama.run_layers([mtp_layer], params, x, aux, ctx)

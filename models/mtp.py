@@ -1,5 +1,5 @@
-"""Multi-token prediction (DeepSeek-V3) as one layer of pure functions, between the last block and
-the head.
+"""Multi-token prediction (DeepSeek-V3) as one layer of pure functions beside the head: both read
+the last block's output.
 
 For depth k = 1 .. D, with h_0 the main model's last hidden state after the head's final norm:
 
@@ -10,11 +10,13 @@ sharing the embedding and the output projection with the main model (the layout 
 checkpoints and of transformers' MTP layers). Position i sees the embedding of token i+k, and
 attention is causal, so module k predicts t_{i+k+1} from tokens up to t_{i+k} only.
 
-The layer passes the main model's hidden state on unchanged to the head; the MTP losses enter
-the gradient as the router losses do (`moe.AddAuxiliaryLoss`), weighted by
-mtp_loss_weight / D and by the caller's loss scale, and their values go to an `MTPStats` on the
-shared `aux`. The tokens k ahead and their labels come in `aux.mtp_targets`, made from whole
-sequences (`future_targets`) before a sequence is split over context-parallel ranks.
+The layer returns a term to add to the head's loss: zero in value, so that the loss stays the
+next-token loss that is logged, with the gradient of mtp_loss_weight / D times the summed MTP
+losses, whose values go to an `MTPStats` on the shared `aux`. (A plain sum, not a loss attached
+to the hidden state as the router losses are: the head's weights, which MTP shares, must not sit
+downstream of the MTP graph, or zero-bubble pipeline schedules, which take weight gradients
+apart, walk it twice.) The tokens k ahead and their labels come in `aux.mtp_targets`, made from
+whole sequences (`future_targets`) before a sequence is split over context-parallel ranks.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import torch.nn.functional as F
 from models import spec
 from models.context import ModelContext
 from models.layers import rms_norm
-from models.moe import AddAuxiliaryLoss
 
 RESIDUAL = ("batch", "seq", "embed")
 # What the layer reads of the layers it shares weights with.
@@ -76,8 +77,8 @@ def tied_sources(cfg) -> dict[str, str]:
 
 def mtp_forward(p: dict, x: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg,
                 block_forward: Callable[..., torch.Tensor]) -> torch.Tensor:
-    """x [batch, seq, embed], the last block's output, returned unchanged (with the MTP losses
-    attached to its gradient). `block_forward(p, x, aux, ctx, index=...)` runs one block."""
+    """The MTP term of the loss (the module docstring) from x [batch, seq, embed], the last block's
+    output. `block_forward(p, x, aux, ctx, index=...)` runs one block."""
     targets = aux.mtp_targets
     h = rms_norm(x, p["final_norm"], cfg.norm_eps)
     total = None
@@ -98,11 +99,8 @@ def mtp_forward(p: dict, x: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg,
         if stats is not None:
             _record(stats, k, loss, (labels != -100).sum())
         total = loss if total is None else total + loss
-    if total is not None and total.requires_grad and cfg.mtp_loss_weight:
-        weight = cfg.mtp_loss_weight / cfg.mtp_depth * getattr(aux, "loss_scale", 1.0)
-        # A copy, not the view the Function returns: FSDP hooks the layer's output for its backward.
-        x = AddAuxiliaryLoss.apply(x, weight * total).clone()
-    return x
+    weighted = cfg.mtp_loss_weight / cfg.mtp_depth * total
+    return weighted - weighted.detach()
 
 
 class MTPStats:

@@ -30,15 +30,18 @@ logger = logging.getLogger("dtrain")
 CUDA_ATTENTION_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
-def fused_causal_attention(q, k, v, document_ids=None, scale=None) -> torch.Tensor:
+def fused_causal_attention(q, k, v, document_ids=None, scale=None, *, pad_values: bool | None = None) -> torch.Tensor:
     """`causal_attention` on a fused kernel also where V's head dim is smaller than q/k's (MLA):
     flash wants equal head dims, and cuDNN takes DeepSeek's 192/128 only in some torch and cuDNN
     versions. Where cuDNN does not take them as they are, V is padded with zeros to q's head dim,
-    which leaves the output's first dims (and all gradients) as they are, and the output is cut back."""
+    which leaves the output's first dims (and all gradients) as they are, and the output is cut back.
+    `pad_values` True or False forces the choice (benchmarks, tests)."""
     value_dim = v.shape[-1]
     if q.device.type != "cuda" or value_dim >= q.shape[-1]:
         return causal_attention(q, k, v, document_ids, scale)
-    if _cudnn_takes_head_dims(q.device.index, q.dtype, q.shape[-1], value_dim, q.requires_grad):
+    if pad_values is None:
+        pad_values = not _cudnn_takes_head_dims(q.device.index, q.dtype, q.shape[-1], value_dim, q.requires_grad)
+    if not pad_values:
         return causal_attention(q, k, v.contiguous(), document_ids, scale)
     v = torch.nn.functional.pad(v, (0, q.shape[-1] - value_dim))
     return causal_attention(q, k, v, document_ids, scale)[..., :value_dim]

@@ -130,6 +130,8 @@ class ModelModule(nn.Module):
         return self._head(self.ctx.constrain(x, RESIDUAL, "residual"), aux)
 
     def _head(self, x: torch.Tensor, aux: Any) -> torch.Tensor:
+        loss = self.head(x, aux)
         if self.mtp is not None:
-            x = self.mtp(x, aux)
-        return self.head(x, aux)
+            # Zero in value (the loss stays the next-token loss), with the MTP losses' gradient.
+            loss = loss + self.mtp(x, aux)
+        return loss

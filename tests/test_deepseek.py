@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dtrain.checkpoint.storage import shape_difference
-from models import deepseek, flops, mla, moe, mtp, spec
+from models import deepseek, flops, llama, mla, moe, mtp, spec
 from models.config import DeepSeekConfig, YarnScaling, get_model_config
 from models.context import LocalContext
 from models.layers import rope_frequencies
@@ -219,6 +219,22 @@ def test_future_targets_are_the_tokens_ahead_of_the_whole_sequence():
     assert torch.equal(unpacked_labels, labels) and torch.equal(unpacked, targets)
 
 
+def test_two_mtp_depths_each_predict_further_and_are_logged_apart():
+    cfg = attrs.evolve(get_model_config("tiny-mla"), mtp_depth=2, num_layers=2, first_dense_layers=1)
+    params = _params(cfg)
+    assert set(params["mtp"]) == {"0", "1"} and "router_bias" in params["mtp"]["1"]["block"]["moe"]
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    stats, router = mtp.MTPStats(), moe.RouterStats()
+    deepseek.forward(params, tokens, tokens.roll(-1, 1), cfg, LocalContext(), router, stats).backward()
+    # Depth k has 16 - k labels per sample; its MoE block is layer num_layers + k - 1.
+    assert [t[1].item() for _, t in sorted(stats.totals.items())] == [2 * 15, 2 * 14]
+    scalars = stats.scalars()
+    assert set(scalars) == {"train/mtp_loss", "train/mtp_loss/depth_1", "train/mtp_loss/depth_2"}
+    assert scalars["train/mtp_loss"] == pytest.approx((scalars["train/mtp_loss/depth_1"] + scalars["train/mtp_loss/depth_2"]) / 2)
+    assert sorted(router.load) == [1, 2, 3] and deepseek.block_path(cfg, 3) == "mtp.1.block"
+    assert params["mtp"]["1"]["eh_proj"].grad is not None and params["mtp"]["1"]["eh_proj"].grad.any()
+
+
 def _mtp_gradients(weight: float):
     # Without router losses, which reach the MTP block's weights whatever the MTP weight.
     cfg = attrs.evolve(get_model_config("tiny-mla"), mtp_loss_weight=weight, num_layers=2, first_dense_layers=1,
@@ -250,6 +266,28 @@ def test_mtp_loss_joins_the_gradient_with_its_weight_and_is_logged_apart():
     assert mtp_part.abs().max() > 1e-3 * first[2].abs().max()
     # Within 0.1% of the MTP part: the difference of two fp32 sums of both parts rounds.
     torch.testing.assert_close(first[1] - first[2], 2 * mtp_part, rtol=0, atol=1e-3 * mtp_part.abs().max().item())
+
+
+def test_mtp_and_head_take_the_split_backward_of_zero_bubble_schedules():
+    """zb and zbv pipeline schedules take the last stage's input gradients first and its weight
+    gradients later, walking the graph from the intermediates that lead to each weight once. The
+    head's weights, which MTP shares, must not sit downstream of the MTP graph (a loss attached to
+    the hidden state put them there: the weight pass then walked freed parts of the graph)."""
+    from torch.distributed.pipelining import _backward
+
+    cfg = attrs.evolve(get_model_config("tiny-mla"), num_layers=2, first_dense_layers=1)
+    layers = {layer.name: layer for layer in deepseek.layers(cfg)}
+    params = _params(cfg)
+    labels = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    aux = attrs.evolve(deepseek.make_aux(cfg, torch.arange(16), labels), mtp_targets=mtp.future_targets(labels, 1))
+    x = torch.randn(2, 16, cfg.dim, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    loss = sum(llama.run_layers([layers[name]], params, x, aux, LocalContext()) for name in ("head", "mtp"))
+    weights = [p for name in ("embed", "mtp", "head") for _, p in spec.flatten(params[name]) if p.requires_grad]
+    expected = torch.autograd.grad(loss, weights, retain_graph=True)
+    _, groups = _backward.stage_backward_input([loss], None, [x], iter(weights))
+    _backward.stage_backward_weight(iter(weights), groups)
+    for weight, grad in zip(weights, expected):
+        torch.testing.assert_close(weight.grad, grad, rtol=1e-5, atol=1e-7)
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------------
@@ -306,14 +344,21 @@ def test_a_checkpoint_without_fields_added_since_counts_them_at_their_defaults()
 # ---- on a GPU ------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_mla_head_dims_run_on_a_fused_kernel_in_bf16_and_compile_whole():
+@pytest.mark.parametrize("pad_values", [None, True, False], ids=["chosen", "padded", "as-they-are"])
+def test_mla_head_dims_run_on_a_fused_kernel_in_bf16_and_compile_whole(pad_values):
     """DeepSeek's head dims (q/k 192, v 128) in bf16: a fused SDPA kernel (cuDNN taking them as they
     are, or flash/cuDNN on padded values, never math), eager and compiled in one graph (the kernel
     question is answered while tracing), within bf16 rounding of fp32 math attention."""
+    import functools
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from models.context import causal_attention
-    from parallel.context import CUDA_ATTENTION_PRIORITY, fused_causal_attention
+    from parallel.context import CUDA_ATTENTION_PRIORITY, cudnn_takes_head_dims, fused_causal_attention
+
+    if pad_values is False and not cudnn_takes_head_dims(torch.cuda.current_device(), torch.bfloat16, 192, 128, True):
+        pytest.skip("cuDNN does not take head dims 192/128 with this torch and cuDNN")
+    attention = functools.partial(fused_causal_attention, pad_values=pad_values)
 
     generator = torch.Generator().manual_seed(0)
     shapes = [(2, 1024, 8, 192), (2, 1024, 8, 192), (2, 1024, 8, 128)]
@@ -324,8 +369,8 @@ def test_mla_head_dims_run_on_a_fused_kernel_in_bf16_and_compile_whole():
     with sdpa_kernel(SDPBackend.MATH):
         reference = causal_attention(*full, scale=scale)
     reference.backward(grad.float())
-    compiled = torch.compile(fused_causal_attention, fullgraph=True)
-    for name, attend in (("eager", fused_causal_attention), ("compiled", compiled)):
+    compiled = torch.compile(attention, fullgraph=True)
+    for name, attend in (("eager", attention), ("compiled", compiled)):
         for t in (q, k, v):
             t.grad = None
         with sdpa_kernel(CUDA_ATTENTION_PRIORITY, set_priority=True), torch.profiler.profile() as prof:

@@ -20,12 +20,11 @@ import math
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from models import llama, mla, spec
 from models.config import DeepSeekConfig, get_model_config
-from models.context import LocalContext, causal_attention
+from models.context import LocalContext
 from models.layers import attention_block
 from parallel.context import CUDA_ATTENTION_PRIORITY, cudnn_takes_head_dims, fused_causal_attention
 
@@ -39,16 +38,13 @@ SETUPS = {
 
 
 class _Context(LocalContext):
-    """One GPU: the fused kernels, with MLA's values padded where `pad` says so."""
+    """One GPU: the fused kernels, with MLA's values padded on purpose where `pad` says so."""
 
     def __init__(self, pad: bool):
         self.pad = pad
 
     def attention(self, q, k, v, document_ids=None, *, scale=None):
-        if not self.pad or v.shape[-1] == q.shape[-1]:
-            return fused_causal_attention(q, k, v, document_ids, scale)
-        width = v.shape[-1]
-        return causal_attention(q, k, F.pad(v, (0, q.shape[-1] - width)), document_ids, scale)[..., :width]
+        return fused_causal_attention(q, k, v, document_ids, scale, pad_values=True if self.pad else None)
 
 
 def _attention_params(cfg) -> dict[str, spec.ParamSpec]:
