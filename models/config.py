@@ -114,8 +114,8 @@ class MoEConfig:
     capacity_factor: float | None = None
     # Group-limited routing (DeepSeek-V3's n_group / topk_group): experts in num_expert_groups
     # contiguous groups; a token's top_k come from its topk_groups best groups (a group scores the
-    # sum of its two best sigmoid scores, or its best softmax score). Under ep the groups lie on
-    # whole ranks, so topk_groups bounds how many ranks a token's experts are on.
+    # sum of its two best sigmoid scores, or its best softmax score). Under ep, where each rank's
+    # block of experts is whole groups, topk_groups bounds how many ranks a token's experts are on.
     num_expert_groups: int = 1
     topk_groups: int = 1
     # The chosen experts' weights are multiplied by this after any renormalisation (DeepSeek-V3: 2.5).

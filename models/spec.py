@@ -50,7 +50,8 @@ class Layer:
     """One entry of the model's layer sequence.
 
     `forward(params, x, aux, ctx)` maps the activation of the previous layer (token ids for the
-    first layer) to the next one (the summed loss for the last layer). `aux` holds what every layer
+    first layer) to the next one (the summed loss for the last layer; multi-token prediction's
+    layer, which reads the head's input too, to a term of that loss). `aux` holds what every layer
     of a micro-batch shares: positions, RoPE tables, labels. `tied` maps a parameter path of this
     layer to the path of the parameter it shares (tied input and output embeddings, the weights
     multi-token prediction shares). `run=False` marks a layer that another pipeline stage runs,

@@ -20,7 +20,6 @@ CASES = [
     (["--mesh", "tp=2", "--sequence-parallel"], 2),
     (["--mesh", "cp=2"], 2),
     (["--mesh", "pp=2"], 2),
-    (["--mesh", "cp=2,pp=2", "--cp-comm", "ring"], 4),
 ]
 
 

@@ -175,6 +175,10 @@ def test_what_transformers_deepseek_v3_cannot_hold_is_a_one_line_error(tmp_path,
                                                                       "rope_theta": 1e4}}))
     with pytest.raises(UserError, match="RoPE .* is not supported; dtrain's DeepSeek has plain RoPE and YaRN"):
         hf.HFCheckpoint(tmp_path / "hf")
+    config_path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8",
+                                                                         "weight_block_size": [128, 128]}}))
+    with pytest.raises(UserError, match="fp8-quantized .* convert them to bf16 first"):
+        hf.HFCheckpoint(tmp_path / "hf")
     config_path.write_text(json.dumps(config))
     checkpoint = hf_convert.import_hf(tmp_path / "hf", tmp_path / "run" / "step_000000")
     # DeepSeek-V2-Lite routes by softmax, which transformers' DeepSeek-V3 cannot.

@@ -97,6 +97,10 @@ class DeepseekV3(HFFamily):
         if unsupported:
             raise UserError(f"{source}: {unsupported} differ from DeepSeek-V3 (silu, no attention biases, sigmoid "
                             f"routing); this checkpoint cannot be imported")
+        quantized = (hf.get("quantization_config") or {}).get("quant_method")
+        if quantized:
+            raise UserError(f"{source}: the weights are {quantized}-quantized (DeepSeek publishes V3 in FP8 blocks); "
+                            f"convert them to bf16 first (DeepSeek's inference/fp8_cast_bf16.py) and import that")
         heads = hf["num_attention_heads"]
         if hf.get("num_key_value_heads") not in (None, heads):
             raise UserError(f"{source}: num_key_value_heads={hf['num_key_value_heads']} but MLA has one key and value "
