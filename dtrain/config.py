@@ -66,7 +66,9 @@ class DataArgs:
     data_cache_dir: str | None = _field(None, "where indexed data's sample indices are cached; unset: a "
                                               "dtrain_index_cache directory beside the data")
     reset_position_ids: bool = _field(False, "position ids restart at 0 at each document boundary in a sample")
-    document_mask: bool = _field(False, "give each sample's document ids, to mask attention across documents")
+    document_mask: bool = _field(False, "attention stays within each document of a sample (packed documents)")
+    synthetic_document_length: int = _field(0, "--data synthetic: pack documents of random lengths with this mean "
+                                               "into each sample (0: one document per sample)")
 
 
 @attrs.frozen
@@ -98,6 +100,10 @@ class TrainArgs:
     fp8_all_gather: bool = _field(True, "under --fp8 tensorwise with FSDP over CUDA GPUs and tp=1, all-gather the "
                                         "FP8 blocks' matmul weights in float8 (half the bytes of bf16)")
     compile: bool = _field(False, "torch.compile each transformer block")
+    attention_kernel: str = _field("auto", "kernel of attention within documents or a sliding window on GPUs: "
+                                           "auto (variable-length flash attention over whole rows, FlexAttention "
+                                           "elsewhere), flex, varlen (where it applies), or a dense mask",
+                                   choices=("auto", "flex", "varlen", "dense"))
     fuse_projections: bool = _field(False, "one matmul for q/k/v and one for gate/up where the weights are "
                                            "whole on the rank (tp=1)")
     recompute: str = _field("none", "activation recompute of blocks", choices=("none", "selective", "full"))
@@ -112,6 +118,13 @@ class TrainArgs:
                                 const="latest")
     init_from_hf: str | None = _field(None, "start from the weights of a Hugging Face Llama, Mixtral or DeepSeek-V3 "
                                             "checkpoint directory (config.json + safetensors)")
+    init_timeout: float = _field(600.0, "seconds a collective may wait, and a phase may last, while the run starts "
+                                        "(building, loading, compiling: the first step included), saves or evaluates")
+    step_timeout: float = _field(120.0, "seconds a phase of a step (data, forward, backward, optimizer, sync) may last "
+                                        "once steps run before the run names the ranks it waits for and exits; "
+                                        "collectives wait 20 s longer (0: no hang detection)")
+    straggler_every: int = _field(50, "steps between straggler checks (each rank's forward compute time, logged as "
+                                      "perf/straggler_ratio; a rank that stays slow is named) (0: off)")
     eval_every: int = _field(0, "steps between evaluations on the validation split, logged as val/loss (0: off)")
     eval_steps: int = _field(10, "global batches per evaluation (capped at one pass over the validation split)")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from dtrain import distributed
 from dtrain.checkpoint.checkpointer import Checkpointer
 from dtrain.config import Config, to_toml
 from dtrain.data import TokenDataset
@@ -20,7 +22,11 @@ from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.plan.validate import build_plan, validate
 from dtrain.resilience.faults import FaultInjector
-from models import families, flops, moe, mtp, spec
+from dtrain.resilience.heartbeat import Heartbeat
+from dtrain.resilience.stop_request import StopRequest
+from dtrain.resilience.stragglers import Stragglers
+from dtrain.resilience.watchdog import Watchdog
+from models import families, flops, llama, masking, moe, mtp, spec
 from models.errors import UserError
 from parallel import context_parallel, pipeline, precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_
@@ -37,10 +43,13 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 class Trainer:
     """Builds everything a run needs (data first, so bad data fails before model memory), then
     steps. `step` counts completed optimizer steps; the data of step s is a pure function of
-    (seed, s), so the step is also the data position."""
+    (seed, s), so the step is also the data position. `heartbeat` is told where the run is;
+    `watchdog` (hang detection) is told when steps and saves begin and end."""
 
-    def __init__(self, config: Config, runtime: Runtime):
+    def __init__(self, config: Config, runtime: Runtime, heartbeat: Heartbeat | None = None,
+                 watchdog: Watchdog | None = None):
         self.config, self.runtime = config, runtime
+        self.beat, self.watchdog = heartbeat or Heartbeat(runtime.rank), watchdog
         self.mesh_spec, self.model_cfg = validate(config, runtime.world_size)
         d, t = config.data, config.train
         self.run_dir = Path(t.run_dir)
@@ -75,6 +84,13 @@ class Trainer:
                                          scheduler=self.scheduler)
         # --resume's checkpoint (any mesh), else --init-from-hf's weights; the step to start at.
         self.step = self.checkpointer.restore()
+        self.beat.heading_for(self.step + 1)
+        if watchdog is not None:
+            watchdog.terminating = lambda: self.checkpointer.stop_signal == signal.SIGTERM
+            # A background save's group keeps its long timeout: its collectives wait for the writes.
+            groups = [g for g in distributed.process_groups() if g is not self.checkpointer.async_group]
+            watchdog.adopt_groups(groups, distributed.set_collective_timeout)
+            watchdog.starting_at(self.step)
 
         self.dp_rank = (self.mesh.get_local_rank("dp_replicate") * self.mesh_spec.dp_shard
                         + self.mesh.get_local_rank("dp_shard"))
@@ -91,6 +107,10 @@ class Trainer:
         positions = (context_parallel.load_balance_indices(d.seq_len, self.mesh_spec.cp, self.cp_rank)
                      if self.mesh_spec.cp > 1 else torch.arange(d.seq_len))
         self.rope_aux = families.make_aux(self.model_cfg, positions.to(runtime.device), loss_scale=self.loss_scale)
+        # A sliding window without documents: one mask for every micro-batch, built once.
+        if not d.document_mask:
+            self.rope_aux = attrs.evolve(self.rope_aux, mask=llama.window_mask(self.model_cfg, self.ctx,
+                                                                              d.micro_batch, d.seq_len))
         self.router_stats = getattr(self.rope_aux, "router_stats", None)
         self.mtp_stats = getattr(self.rope_aux, "mtp_stats", None)
         self.mtp_depth = flops.mtp_depth(self.model_cfg)
@@ -102,6 +122,9 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, runtime.is_main, self.peak_flops, runtime.device,
                                      start_step=self.step)
         self.faults = FaultInjector(runtime.rank, self.run_dir)
+        self.stragglers = Stragglers(self.model_parts, t.straggler_every, runtime.device,
+                                     stage=self.mesh.get_local_rank("pp"), is_main=runtime.is_main)
+        self.stop_request = StopRequest(self.run_dir, runtime.is_main)
         if runtime.is_main:
             logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s%s", config.model.model,
                         spec.count_params(families.layers(self.model_cfg)) / 1e6, self.mesh_spec,
@@ -126,7 +149,7 @@ class Trainer:
             ep_dispatch=self.ep_dispatch or "alltoall",
             fp8_linear=precision.fp8_linear(t.fp8, self.runtime.device, float8_all_gather=t.fp8_all_gather),
             fp8_layers=self._fp8_layers(), fp8_head=t.fp8_head, fuse_projections=t.fuse_projections,
-            reshard_mode=p.fsdp_reshard_after_forward,
+            reshard_mode=p.fsdp_reshard_after_forward, attention_kernel=t.attention_kernel,
         )
         if self.mesh_spec.pp == 1:
             model, ctx = build(layers)
@@ -167,23 +190,29 @@ class Trainer:
         """Accumulates the gradients of this rank's micro-batches; returns their summed loss.
         `loss_factor` multiplies the loss before backward (fault injection: NaN or a spike)."""
         device = self.runtime.device
+        # Every micro-batch's labels, positions and attention mask first, on the host while the
+        # device still runs the previous step, rather than between the forwards.
+        auxes = [self._micro_aux(batch) for batch in micro_batches]
         if self.pipeline is not None:
             inputs = self._local(torch.cat([inputs for inputs, _ in micro_batches]))
             targets = self._pipeline_targets(torch.cat([labels for _, labels in micro_batches]))
+            self.beat.phase("forward")  # the schedule's forwards and backwards
             with self.ctx.kernel_scope():
-                return self.pipeline.step(inputs, targets, self.rope_aux, loss_factor)
+                return self.pipeline.step(inputs, targets, auxes, loss_factor)
         loss_sum = torch.zeros((), device=device)
         with self.ctx.kernel_scope():
-            for index, batch in enumerate(micro_batches):
+            for index, (batch, aux) in enumerate(zip(micro_batches, auxes)):
                 if self.config.parallel.fsdp_reduce_once:
                     # Gradients accumulate whole until the last backward, which reduce-scatters them;
                     # parameters gathered by a backward stay gathered for the next micro-batch's forward.
                     last = index == len(micro_batches) - 1
                     self.model.set_requires_gradient_sync(last)
                     self.model.set_reshard_after_backward(last)
-                micro_loss = self.model(self._local(batch[0]), self._micro_aux(batch))
+                self.beat.phase("forward")
+                micro_loss = self.model(self._local(batch[0]), aux)
                 if loss_factor != 1.0:
                     micro_loss = micro_loss * loss_factor
+                self.beat.phase("backward")
                 (micro_loss * self.loss_scale).backward()
                 loss_sum += micro_loss.detach().float()
         return loss_sum
@@ -202,24 +231,38 @@ class Trainer:
         prediction (made from the whole sequences: under cp they cross this rank's chunks)."""
         return self._local(mtp.packed_targets(labels, self.mtp_depth) if self.mtp_depth else labels)
 
-    def _micro_aux(self, batch):
+    def _micro_aux(self, batch) -> llama.Aux:
         """The micro-batch's labels (and tokens ahead, for multi-token prediction), and its
-        per-document positions and mask when asked for."""
-        device, d = self.runtime.device, self.config.data
+        per-document positions and attention mask when asked for (this rank's chunks of the
+        positions under cp; the mask's forms for its attention)."""
+        d = self.config.data
         changes = {"labels": self._local(batch[1])}
         if self.mtp_depth:
             changes["mtp_targets"] = self._local(mtp.future_targets(batch[1], self.mtp_depth))
         if d.reset_position_ids:
-            changes["rope"] = families.rope(self.model_cfg, batch.position_ids.to(device))
+            changes["rope"] = families.rope(self.model_cfg, self._local(batch.position_ids))
         if d.document_mask:
-            changes["document_ids"] = batch.document_ids.to(device, non_blocking=True)
+            changes["mask"] = self.ctx.attention_mask(batch.document_ids, self.model_cfg.sliding_window)
         return attrs.evolve(self.rope_aux, **changes)
+
+    def _attended_pairs(self, micro_batches) -> int:
+        """Query-key pairs that attention needs over this rank's rows of a step (the sum over
+        documents of their causal, windowed attention), for the document-attention MFU."""
+        d, window = self.config.data, self.model_cfg.sliding_window
+        if not d.document_mask and window is None:
+            return len(micro_batches) * d.micro_batch * d.seq_len * (d.seq_len + 1) // 2
+        total = 0
+        for batch in micro_batches:
+            document_ids = batch.document_ids if d.document_mask else torch.zeros_like(batch[0])
+            total += masking.attended_pairs(masking.first_keys(document_ids, window))
+        return total
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """The mean loss over one pass of the validation split (the same samples every time)."""
         d, t = self.config.data, self.config.train
         device = self.runtime.device
+        self.beat.phase("eval")
         num_steps = self.val_dataset.eval_steps(t.eval_steps, d.global_batch)
         batches = list(self.val_dataset.eval_micro_batches(
             t.eval_steps, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size))
@@ -231,7 +274,7 @@ class Trainer:
                     group = batches[first:first + per_step]
                     loss_sum += self.pipeline.evaluate(self._local(torch.cat([b[0] for b in group])),
                                                        self._pipeline_targets(torch.cat([b[1] for b in group])),
-                                                       self.rope_aux)
+                                                       [self._micro_aux(b) for b in group])
             else:
                 for batch in batches:
                     loss_sum += self.model(self._local(batch[0]), self._micro_aux(batch)).float()
@@ -248,11 +291,16 @@ class Trainer:
         device already runs the next step."""
         d = self.config.data
         launched_at = time.perf_counter()
+        self.beat.begin_step(self.step + 1)
         self.faults.at_step_start(self.step + 1)
         micro_batches = self.dataset.micro_batches(
             self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size
         )
+        attended_pairs = self._attended_pairs(micro_batches)
+        self.stragglers.arm(self.step + 1)
         loss_sum = self.forward_backward(micro_batches, self.faults.loss_factor(self.step + 1))
+        compute_spans = self.stragglers.take()
+        self.beat.phase("optimizer")
         rescale_expert_grads_(self.expert_params, self.plan, self.tp_group)
         copies = []
         if self.tied_copies is not None:
@@ -266,17 +314,29 @@ class Trainer:
             precision.after_optimizer_step(self.model_parts)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # One all-reduce for the loss and the attention work; cp and pp ranks count the same rows.
+        # (A fill, not a copy from the host: a pageable copy would wait for the queued kernels.)
+        totals = torch.stack([loss_sum, loss_sum.new_full((), float(attended_pairs))])
         for group in self.loss_groups:
-            dist.all_reduce(loss_sum, group=group)
+            dist.all_reduce(totals, group=group)
         router_stats = self._after_moe_step()
         mtp_stats = self._after_mtp_step()
         self.step += 1
-        return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats, mtp_stats)
+        done = None
+        if self.runtime.device.type == "cuda":
+            # Waiting on an event releases the GIL (reading the loss does not): while the host
+            # waits for the device, the watchdog and other threads run.
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(self.step, launched_at, totals[0], grad_norm, lr, router_stats,
+                            totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp), compute_spans, done, mtp_stats)
 
     def _read_back(self, launched: "LaunchedStep") -> dict[str, float]:
         """The scalars of a launched step (waits for it). Its time runs from the previous step's
         read-back, or from its own launch if later (after an evaluation or a save), so in steady
         state it is the device's time per step."""
+        if launched.done is not None:
+            launched.done.synchronize()
         loss = launched.loss_sum.item() / self.global_tokens
         now = time.perf_counter()
         elapsed = now - max(self._last_read_back, launched.launched_at)
@@ -292,8 +352,17 @@ class Trainer:
         for stats in (launched.router_stats, launched.mtp_stats):
             if stats is not None:
                 scalars.update(stats.scalars())
+        # The keys a query attended to, on average: each document's causal (windowed) attention only.
+        attended_keys = launched.attended_pairs.item() / self.global_tokens
+        scalars["perf/attended_keys_per_token"] = attended_keys
+        if launched.compute_spans is not None:
+            scalars["perf/straggler_ratio"] = self.stragglers.check(launched.step, launched.compute_spans)
+        if self.watchdog is not None:
+            self.watchdog.step_done(launched.step, elapsed)
         if self.peak_flops is not None:
             scalars["perf/mfu"] = 100.0 * self.flops_per_token * tokens_per_sec_per_gpu / self.peak_flops
+            needed = flops.flops_per_token(self.model_cfg, self.config.data.seq_len, attended_keys=attended_keys)
+            scalars["perf/mfu_document_attention"] = 100.0 * needed * tokens_per_sec_per_gpu / self.peak_flops
         return scalars
 
     def _after_moe_step(self) -> moe.RouterStats | None:
@@ -342,6 +411,7 @@ class Trainer:
 
         def read_back_all(evaluate: bool = False) -> None:
             while unread:
+                self.beat.phase("sync")
                 launched = unread.pop(0)
                 scalars = self._read_back(launched)
                 if evaluate and not unread:
@@ -349,6 +419,13 @@ class Trainer:
                 history.append(scalars)
                 console = launched.step % self.config.train.log_every == 0 or launched.step == total
                 self.metrics.log(launched.step, total, scalars, console=console)
+
+        def before_save() -> None:
+            read_back_all()
+            self.beat.phase("checkpoint")
+            self.metrics.flush()
+            if self.watchdog is not None:
+                self.watchdog.relax(until_step=self.step + 1)
 
         self.checkpointer.start()
         try:
@@ -362,14 +439,32 @@ class Trainer:
                 evaluate = bool(every) and (self.step % every == 0 or self.step == total)
                 if evaluate or self.step == total or not self.overlap_read_back:
                     read_back_all(evaluate=evaluate)
-                if self.checkpointer.after_step(self.step, before_save=read_back_all):
+                if self._step_boundary(before_save):
                     break  # preempted: saved, and every rank stops here
             read_back_all()
+            self.beat.phase("checkpoint")
+            if self.watchdog is not None:
+                self.watchdog.relax(until_step=math.inf)
             self.checkpointer.finish(self.step)
         finally:
             self.checkpointer.close()
             self.metrics.close()
         return history
+
+    def _step_boundary(self, before_save) -> bool:
+        """Where the ranks agree to save or stop; True when the run stops (it saved first)."""
+        reason = self.stop_request.poll()
+        if reason is not None:
+            self.checkpointer.request_stop(reason)
+        self.beat.phase("sync")
+        pending = self.checkpointer.pending
+        stop = self.checkpointer.after_step(self.step, before_save=before_save)
+        if self.watchdog is not None and self.checkpointer.pending is not pending:
+            # A background save was committed or started: rank 0 may prune while the others go on.
+            self.watchdog.relax(until_step=self.step + 1)
+        if stop:
+            self.stop_request.clear()
+        return stop
 
 
 @attrs.frozen
@@ -382,4 +477,7 @@ class LaunchedStep:
     grad_norm: torch.Tensor
     lr: float
     router_stats: moe.RouterStats | None
+    attended_pairs: torch.Tensor  # query-key pairs attention needed over the global batch
+    compute_spans: list | None = None  # the layers' forward times of a straggler check
+    done: torch.cuda.Event | None = None  # recorded after the step's last kernel (GPUs)
     mtp_stats: mtp.MTPStats | None = None

@@ -61,6 +61,8 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Mistral-style sliding-window attention: each token sees itself and the window - 1 before it.
+    sliding_window: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _check_shape(self, ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size"))
@@ -81,6 +83,9 @@ def _check_shape(cfg, positive: tuple[str, ...]) -> None:
         raise UserError(
             f"num_heads={cfg.num_heads} is not divisible by num_kv_heads={cfg.num_kv_heads}"
         )
+    if cfg.sliding_window is not None and cfg.sliding_window < 1:
+        raise UserError(f"sliding_window={cfg.sliding_window} must be >= 1 (tokens each token sees, itself "
+                        f"included), or none for full causal attention")
 
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -134,6 +139,7 @@ class MoEConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    sliding_window: int | None = None  # as LlamaConfig's
 
     def __attrs_post_init__(self) -> None:
         _check_shape(self, ("dim", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
@@ -350,6 +356,7 @@ _OVERRIDE_PARSERS = {
     "float | None": lambda text: None if text.lower() == "none" else float(text),
     # Only switched off from the command line: the presets say how to scale.
     "YarnScaling | None": lambda text: {"none": None}[text.lower()],
+    "int | None": lambda text: None if text.lower() == "none" else int(text),
 }
 
 

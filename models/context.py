@@ -12,6 +12,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from models import masking
+from models.masking import AttentionMask
+
+# LocalContext's form of a mask: [batch, 1, seq, seq] bool, built with the mask.
+DENSE_FORM = "dense"
+
 
 class ModelContext(Protocol):
     def constrain(self, x: torch.Tensor, axes: tuple[str | None, ...], region: str) -> torch.Tensor:
@@ -27,11 +33,18 @@ class ModelContext(Protocol):
     def embedding(self, tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Rows of `weight` [vocab, embed] for each token id."""
 
+    def attention_mask(self, document_ids: torch.Tensor, window: int | None = None) -> AttentionMask | None:
+        """The mask of one micro-batch for `attention`: attention within each document of
+        `document_ids` [batch, seq] (full rows, on the host; zeros for one document per row) and
+        within `window` tokens back. Built once before the forward, in the forms this context's
+        kernels read, and shared by every layer; None where plain causal attention is the same."""
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  document_ids: torch.Tensor | None = None, *, scale: float | None = None) -> torch.Tensor:
+                  mask: AttentionMask | None = None, *, scale: float | None = None) -> torch.Tensor:
         """Causal attention over [batch, seq, heads, head_dim] tensors; k/v may have fewer heads (GQA),
-        and v its own head_dim (MLA), which the output has. With `document_ids` [batch, seq], a token
-        attends only within its own document. `scale` multiplies the scores (default head_dim ** -0.5)."""
+        and v its own head_dim (MLA), which the output has. With `mask` (from `attention_mask`), a
+        token attends only to the keys the mask keeps. `scale` multiplies the scores (default
+        head_dim ** -0.5)."""
 
     def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy in fp32; labels of -100 are ignored."""
@@ -60,19 +73,19 @@ class ModelContext(Protocol):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     document_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Causal SDPA on [batch, seq, heads, head_dim] inputs, GQA by head groups; with
-    `document_ids` [batch, seq] the causal mask is also cut at document boundaries."""
+                     mask: AttentionMask | None = None, scale: float | None = None) -> torch.Tensor:
+    """Causal SDPA on [batch, seq, heads, head_dim] inputs, GQA by head groups; with `mask` the
+    keys are also limited to those it keeps (a dense boolean mask: the reference meaning)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = k.shape[1] != q.shape[1]
-    if document_ids is None:
+    if mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     else:
-        seq = q.shape[2]
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-        same_document = document_ids[:, :, None] == document_ids[:, None, :]
-        mask = (causal & same_document).unsqueeze(1)  # [batch, 1, seq, seq]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+        dense = mask.forms.get(DENSE_FORM)
+        if dense is None:
+            positions = torch.arange(q.shape[2], device=q.device)
+            dense = masking.allowed(mask.first_key, positions, positions).unsqueeze(1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa, scale=scale)
     return out.transpose(1, 2)
 
 
@@ -195,8 +208,18 @@ class LocalContext:
     def embedding(self, tokens, weight):
         return F.embedding(tokens, weight)
 
-    def attention(self, q, k, v, document_ids=None, *, scale=None):
-        return causal_attention(q, k, v, document_ids, scale)
+    def attention_mask(self, document_ids, window=None):
+        first = masking.first_keys(document_ids, window)
+        if masking.is_plain_causal(first):
+            return None
+        positions = torch.arange(first.shape[1])
+        return AttentionMask(first, window, {DENSE_FORM: masking.allowed(first, positions, positions).unsqueeze(1)})
+
+    def attention(self, q, k, v, mask=None, *, scale=None):
+        if mask is not None and mask.first_key.device != q.device:
+            mask = AttentionMask(mask.first_key.to(q.device), mask.window,
+                                 {name: form.to(q.device) for name, form in mask.forms.items()})
+        return causal_attention(q, k, v, mask, scale)
 
     def per_token(self, fn, params, x):
         return fn(params, x)

@@ -42,18 +42,23 @@ def matmul_params(cfg: LlamaConfig | MoEConfig) -> int:
     return total + head_uses_not_in_specs * cfg.vocab_size * cfg.dim
 
 
-def attention_flops_per_token(cfg: LlamaConfig | MoEConfig, seq_len: int) -> float:
+def attention_flops_per_token(cfg: LlamaConfig | MoEConfig, keys: float) -> float:
     """Scores (q.k over the query/key head dims) and values (over the value head dims), forward and
-    backward, against the whole sequence (causal or not), in every attention layer: 6 S (qk + v)
+    backward, against `keys` keys per query (the whole sequence S, causal or not, by the convention
+    of BENCHMARKS.md), in every attention layer: 6 S (qk + v)
     per layer, where qk and v are the summed head dims of all heads. For Llama qk = v = d
     (12 L d S); for MLA heads x (qk_nope + qk_rope) and heads x v_head_dim. MTP blocks attend too."""
     if isinstance(cfg, DeepSeekConfig):
         width = cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     else:
         width = 2 * cfg.dim
-    return 6.0 * seq_len * width * (cfg.num_layers + mtp_depth(cfg))
+    return 6.0 * keys * width * (cfg.num_layers + mtp_depth(cfg))
 
 
-def flops_per_token(cfg: LlamaConfig | MoEConfig, seq_len: int) -> float:
-    """6 N (forward + backward matmuls) + the attention scores and values (12 L d S for Llama)."""
-    return 6.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
+def flops_per_token(cfg: LlamaConfig | MoEConfig, seq_len: int, attended_keys: float | None = None) -> float:
+    """6 N (forward + backward matmuls) + the attention scores and values (12 L d S for Llama, causal
+    or not: the convention of BENCHMARKS.md). With `attended_keys`, the mean number of keys a query
+    attends to, the attention term counts those keys instead of S: the work actually needed, which
+    for packed documents is the sum of their causal attention ((S + 1) / 2 keys for one causal document)."""
+    keys = seq_len if attended_keys is None else attended_keys
+    return 6.0 * matmul_params(cfg) + attention_flops_per_token(cfg, keys)

@@ -8,6 +8,7 @@ import torch
 
 from models.config import RopeScaling, YarnScaling
 from models.context import ModelContext
+from models.masking import AttentionMask
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,9 +69,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                     num_heads: int, num_kv_heads: int, ctx: ModelContext,
-                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped-query self-attention: projections, RoPE, causal attention (within documents when
-    `document_ids` [batch, seq] is given), output projection."""
+                    mask: AttentionMask | None = None) -> torch.Tensor:
+    """Grouped-query self-attention: projections, RoPE, causal attention (limited to the keys
+    `mask` keeps: within documents, within a sliding window), output projection."""
     batch, seq, _ = x.shape
     head_dim = p["wq"].shape[0] // num_heads
     q, k, v = ctx.linear_many(x, [p["wq"], p["wk"], p["wv"]])
@@ -82,7 +83,7 @@ def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Te
     v = ctx.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), "attention")
     cos, sin = (ctx.constrain(t, ("batch", "seq", "head_dim")[-t.ndim:], "attention") for t in rope)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = ctx.attention(q, k, v) if document_ids is None else ctx.attention(q, k, v, document_ids)
+    out = ctx.attention(q, k, v) if mask is None else ctx.attention(q, k, v, mask)
     return ctx.linear(out.reshape(batch, seq, num_heads * head_dim), p["wo"])
 
 

@@ -16,6 +16,7 @@ import torch
 from models import spec
 from models.config import LlamaConfig
 from models.context import ModelContext
+from models.masking import AttentionMask
 from models.layers import attention_block, rms_norm, rope_frequencies, rope_table, swiglu_block
 
 RESIDUAL = ("batch", "seq", "embed")
@@ -27,7 +28,8 @@ class Aux:
 
     rope: tuple[torch.Tensor, torch.Tensor]
     labels: torch.Tensor | None = None
-    document_ids: torch.Tensor | None = None  # [batch, seq]: attention stays within a document
+    # Attention within documents and a sliding window (ModelContext.attention_mask); None: plain causal.
+    mask: AttentionMask | None = None
 
 
 def make_aux(cfg: LlamaConfig, positions: torch.Tensor, labels: torch.Tensor | None = None) -> Aux:
@@ -43,7 +45,7 @@ def embed_forward(p: dict, tokens: torch.Tensor, aux: Aux, ctx: ModelContext) ->
 
 def block_forward(p: dict, x: torch.Tensor, aux: Aux, ctx: ModelContext, *, cfg: LlamaConfig) -> torch.Tensor:
     h = ctx.constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), RESIDUAL, "block_input")
-    attn = attention_block(p["attn"], h, aux.rope, cfg.num_heads, cfg.num_kv_heads, ctx, aux.document_ids)
+    attn = attention_block(p["attn"], h, aux.rope, cfg.num_heads, cfg.num_kv_heads, ctx, aux.mask)
     x = x + ctx.constrain(attn, RESIDUAL, "residual")
     h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
     return x + ctx.constrain(swiglu_block(p["mlp"], h, ctx), RESIDUAL, "residual")
@@ -120,10 +122,18 @@ def run_layers(model_layers: list[spec.Layer], params: dict[str, Any], tokens: t
     return x
 
 
+def window_mask(cfg, ctx: ModelContext, batch: int, seq: int) -> AttentionMask | None:
+    """The mask of the model's sliding window (None without one) over rows of one document."""
+    if cfg.sliding_window is None:
+        return None
+    return ctx.attention_mask(torch.zeros(batch, seq, dtype=torch.int64), cfg.sliding_window)
+
+
 def forward(params: dict[str, Any], tokens: torch.Tensor, labels: torch.Tensor, cfg: LlamaConfig,
             ctx: ModelContext) -> torch.Tensor:
     """The whole model on a parameter tree keyed like `layers(cfg)`: summed loss over the labels."""
     aux = make_aux(cfg, torch.arange(tokens.shape[1], device=tokens.device), labels)
+    aux = attrs.evolve(aux, mask=window_mask(cfg, ctx, *tokens.shape))
     return run_layers(layers(cfg), params, tokens, aux, ctx)
 
 

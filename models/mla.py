@@ -21,6 +21,7 @@ from models import spec
 from models.config import DeepSeekConfig, YarnScaling, yarn_mscale
 from models.context import ModelContext
 from models.layers import apply_rope, rms_norm, rope_frequencies, rope_table
+from models.masking import AttentionMask
 
 # The latent norms of DeepSeek's checkpoints use this epsilon whatever rms_norm_eps says (their
 # reference code and transformers' fix it).
@@ -64,8 +65,9 @@ def rope(cfg: DeepSeekConfig, positions: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def attention(p: dict, x: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor], cfg: DeepSeekConfig,
-              ctx: ModelContext, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """MLA on [batch, seq, embed] (normed block input), same shape out."""
+              ctx: ModelContext, mask: AttentionMask | None = None) -> torch.Tensor:
+    """MLA on [batch, seq, embed] (normed block input), same shape out; `mask` (documents, a sliding
+    window) as `ModelContext.attention` takes it."""
     batch, seq, _ = x.shape
     heads, nope, rotary, v_dim = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     # The two projections of x: one matmul where the context fuses them (DeepSeek's fused q/kv down-projection).
@@ -85,7 +87,5 @@ def attention(p: dict, x: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.
     # parallelism each rank takes its own heads' share and the key's gradient sums over them.
     k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin)
     k = torch.cat([k_nope, k_rope.expand(batch, seq, heads, rotary)], dim=-1)
-    scale = softmax_scale(cfg)
-    out = (ctx.attention(q, k, v, scale=scale) if document_ids is None
-           else ctx.attention(q, k, v, document_ids, scale=scale))
+    out = ctx.attention(q, k, v, mask, scale=softmax_scale(cfg))
     return ctx.linear(out.reshape(batch, seq, heads * v_dim), p["wo"])

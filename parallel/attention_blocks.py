@@ -115,7 +115,7 @@ def choose_block_kernel(q: torch.Tensor) -> str:
     return "math"
 
 
-def _to_kernel(t: torch.Tensor, heads: int) -> torch.Tensor:
+def to_kernel_layout(t: torch.Tensor, heads: int) -> torch.Tensor:
     """[batch, seq, n, head_dim] -> [batch, heads, seq, head_dim], each of the n heads repeated for
     its group of query heads (adjacent, as in SDPA's enable_gqa), dense in the usual BSHD layout."""
     batch, seq, num_heads, head_dim = t.shape
@@ -130,7 +130,7 @@ def block_attention(kernel: str, q, k, v, causal: bool, scale: float | None = No
     scores (None: head_dim ** -0.5)."""
     heads = q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out, lse, state = _KERNELS[kernel][0](*(_to_kernel(t, heads) for t in (q, k, v)), causal, scale)
+    out, lse, state = _KERNELS[kernel][0](*(to_kernel_layout(t, heads) for t in (q, k, v)), causal, scale)
     # cuDNN's lse is [batch, heads, seq, 1], flash's [batch, heads, seq]: backward gets the same rank.
     return out.transpose(1, 2), lse.reshape(lse.shape[:3]), (state, lse.dim(), scale)
 
@@ -145,7 +145,7 @@ def block_attention_backward(kernel: str, grad_out, q, k, v, out, lse, causal: b
     lse = lse.contiguous()
     if lse_dim == 4:
         lse = lse.unsqueeze(-1)
-    tensors = (_to_kernel(t, heads) for t in (grad_out, q, k, v, out))
+    tensors = (to_kernel_layout(t, heads) for t in (grad_out, q, k, v, out))
     grad_q, grad_k, grad_v = (g.transpose(1, 2) for g in _KERNELS[kernel][1](*tensors, lse, causal, kernel_state, scale))
     if kv_heads != heads:
         grad_k, grad_v = (g.to(lse.dtype).unflatten(2, (kv_heads, heads // kv_heads)).sum(3) for g in (grad_k, grad_v))

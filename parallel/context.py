@@ -8,6 +8,7 @@ import functools
 import logging
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 import torch.nn.functional as F
@@ -19,7 +20,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.context import LocalContext, causal_attention
-from parallel.context_parallel import context_parallel_attention
+from models.masking import AttentionMask
+from parallel import masked_attention
+from parallel.context_parallel import WHOLE_ROW, context_parallel_attention, mask_sites
 from parallel.expert_parallel import ExpertParallelContextMixin
 from parallel.plan import Plan
 
@@ -30,21 +33,21 @@ logger = logging.getLogger("dtrain")
 CUDA_ATTENTION_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
-def fused_causal_attention(q, k, v, document_ids=None, scale=None, *, pad_values: bool | None = None) -> torch.Tensor:
-    """`causal_attention` on a fused kernel also where V's head dim is smaller than q/k's (MLA):
+def fused_causal_attention(q, k, v, mask=None, scale=None, *, pad_values: bool | None = None) -> torch.Tensor:
+    """`causal_attention` (`mask` in its reference meaning) on a fused kernel also where V's head dim is smaller than q/k's (MLA):
     flash wants equal head dims, and cuDNN takes DeepSeek's 192/128 only in some torch and cuDNN
     versions. Where cuDNN does not take them as they are, V is padded with zeros to q's head dim,
     which leaves the output's first dims (and all gradients) as they are, and the output is cut back.
     `pad_values` True or False forces the choice (benchmarks, tests)."""
     value_dim = v.shape[-1]
     if q.device.type != "cuda" or value_dim >= q.shape[-1]:
-        return causal_attention(q, k, v, document_ids, scale)
+        return causal_attention(q, k, v, mask, scale)
     if pad_values is None:
         pad_values = not _cudnn_takes_head_dims(q.device.index, q.dtype, q.shape[-1], value_dim, q.requires_grad)
     if not pad_values:
-        return causal_attention(q, k, v.contiguous(), document_ids, scale)
+        return causal_attention(q, k, v.contiguous(), mask, scale)
     v = torch.nn.functional.pad(v, (0, q.shape[-1] - value_dim))
-    return causal_attention(q, k, v, document_ids, scale)[..., :value_dim]
+    return causal_attention(q, k, v, mask, scale)[..., :value_dim]
 
 
 @torch.compiler.assume_constant_result
@@ -73,8 +76,12 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
     sends tokens to the ranks holding their experts when ep > 1."""
 
     def __init__(self, plan: Plan, mesh: DeviceMesh, cp_method: str = "allgather",
-                 expert_mesh: DeviceMesh | None = None):
+                 expert_mesh: DeviceMesh | None = None, *, device: torch.device | None = None,
+                 compute_dtype: torch.dtype = torch.float32, attention_kernel: str = "auto"):
         self.plan = plan
+        self.device = device if device is not None else torch.device(mesh.device_type)
+        self.compute_dtype = compute_dtype
+        self.attention_kernel = attention_kernel
         dims = plan.activation_mesh_dims
         self.activation_mesh = mesh[dims] if dims else None
         self.cp_group = mesh.get_group("cp") if plan.mesh_spec.cp > 1 else None
@@ -128,24 +135,36 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         placements = [Partial() if name in vocab_dims else Replicate() for name in mesh.mesh_dim_names]
         return DTensor.from_local(out, mesh, placements, run_check=False)
 
-    def attention(self, q, k, v, document_ids=None, *, scale=None):
+    def attention_mask(self, document_ids, window=None):
+        cp_rank = dist.get_rank(self.cp_group) if self.cp_group is not None else 0
+        sites = mask_sites(self.cp_method, document_ids.shape[1], self.plan.mesh_spec.cp, cp_rank)
+
+        def kernel_of(whole_row: bool) -> str:
+            return masked_attention.choose_kernel(self.attention_kernel, self.device, self.compute_dtype,
+                                                  whole_row, window)
+
+        return masked_attention.build_mask(document_ids, window, sites, kernel_of, self.device)
+
+    def attention(self, q, k, v, mask=None, *, scale=None):
         if not isinstance(q, DTensor):
-            return self._local_attention(q, k, v, document_ids, scale)
+            return self._local_attention(q, k, v, mask, scale)
         # Heads are split over tp: each rank attends with its own heads, no communication.
         q_local = q.to_local()
         if k.placements == q.placements:
             k_local, v_local = k.to_local(), v.to_local()
         else:
             k_local, v_local = (self._kv_for_local_queries(t, q) for t in (k, v))
-        out = self._local_attention(q_local, k_local, v_local, document_ids, scale)
+        out = self._local_attention(q_local, k_local, v_local, mask, scale)
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
 
-    def _local_attention(self, q, k, v, document_ids, scale):
-        if self.cp_group is None:
-            return fused_causal_attention(q, k, v, document_ids, scale)
-        # The sequence is split over cp: attention is the one place those ranks exchange data.
-        assert document_ids is None, "document masking under context parallelism is refused earlier"
-        return context_parallel_attention(q, k, v, group=self.cp_group, method=self.cp_method, scale=scale)
+    def _local_attention(self, q, k, v, mask: AttentionMask | None, scale: float | None):
+        if self.cp_group is not None:
+            # The sequence is split over cp: attention is the one place those ranks exchange data.
+            return context_parallel_attention(q, k, v, group=self.cp_group, method=self.cp_method, mask=mask,
+                                              scale=scale)
+        if mask is None:
+            return fused_causal_attention(q, k, v, scale=scale)
+        return masked_attention.attend(q, k, v, mask.forms[WHOLE_ROW], scale)
 
     @staticmethod
     def _kv_for_local_queries(kv: DTensor, q: DTensor) -> torch.Tensor:

@@ -11,6 +11,12 @@ and all ranks do the same attention work. Three ways to attend over the whole se
   back to their owner.
 - a2a (Ulysses): all-to-all from sequence shards to head shards, full causal attention, all-to-all back.
 
+With packed documents or a sliding window (a models.masking.AttentionMask) each method keeps its
+communication and attends with the mask's form for its call sites (`mask_sites`): all-gather, this
+rank's query positions against every key in one masked call; a2a, the whole row as on one device;
+the ring, each of its blocks, skipping blocks where no query sees a key (parallel/masked_attention.py).
+Chunks keep their global positions, so the documents and the load balance stay as they are.
+
 torch's own `context_parallel()` only intercepts CUDA SDPA ops (TORCH-NOTES.md), hence this module: it
 runs on CPU (what the tests check) and on CUDA. The all-gather and ring methods call the fused
 kernels that also return each block's log-sum-exp (parallel/attention_blocks.py: cuDNN or flash on
@@ -30,8 +36,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.errors import UserError
+from models.masking import AttentionMask
+from parallel import masked_attention
 from parallel.attention_blocks import block_attention, block_attention_backward, choose_block_kernel, merge_into
-from parallel.ring_attention import ring_attention
+from parallel.ring_attention import ring_attention, ring_site
+
+# Mask sites (see `mask_sites`): the whole row in order, and one rank's chunks over all keys.
+WHOLE_ROW, GATHERED = "whole_row", "gathered"
 
 CP_METHODS = ("allgather", "ring", "a2a")
 
@@ -73,6 +84,26 @@ def _rank_major_positions(seq_len: int, cp_size: int, device: torch.device) -> t
     return torch.cat(positions).to(device)
 
 
+def mask_sites(method: str, seq_len: int, cp_size: int, cp_rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The (query positions, key positions) of every masked attention call `method` makes on this
+    rank, by site name; positions are global positions in the row."""
+    whole = torch.arange(seq_len)
+    if cp_size == 1 or method == "a2a":
+        return {WHOLE_ROW: (whole, whole)}
+    local = load_balance_indices(seq_len, cp_size, cp_rank)
+    if method == "allgather":
+        return {GATHERED: (local, whole)}
+    # The ring's blocks (parallel/ring_attention.py): its own K/V at step 0; then an earlier rank's
+    # early chunk for all local queries, or a later rank's whole K/V for the local late chunk.
+    half = len(local) // 2
+    sites = {ring_site(0): (local, local)}
+    for step in range(1, cp_size):
+        source = (cp_rank - step) % cp_size
+        keys = load_balance_indices(seq_len, cp_size, source)
+        sites[ring_site(step)] = (local, keys[:half]) if source < cp_rank else (local[half:], keys)
+    return sites
+
+
 def _kernel_choice(device: torch.device):
     if device.type == "cuda":
         return sdpa_kernel(_CUDA_SDPA_BACKENDS, set_priority=True)
@@ -92,7 +123,7 @@ def _causal_sdpa(q, k, v, scale) -> torch.Tensor:
 # allgather: every rank sees all K/V; per-chunk causal masks in global positions.
 
 
-def _allgather_attention(q, k, v, group, cp_size: int, scale) -> torch.Tensor:
+def _allgather_attention(q, k, v, group, cp_size: int, scale, mask: AttentionMask | None = None) -> torch.Tensor:
     batch, local_seq, _, head_dim = q.shape
     kv_heads, seq_len = k.shape[2], local_seq * cp_size
     # One collective for K and V; under GQA only the kv heads travel. Its autograd backward is a
@@ -103,6 +134,8 @@ def _allgather_attention(q, k, v, group, cp_size: int, scale) -> torch.Tensor:
     gathered = gathered.reshape(batch, seq_len, 2 * kv_heads, head_dim)
     kv_global = gathered.index_select(1, torch.argsort(_rank_major_positions(seq_len, cp_size, q.device)))
     k_all, v_all = kv_global.split(kv_heads, dim=2)
+    if mask is not None:
+        return masked_attention.attend(q, k_all, v_all, mask.forms[GATHERED], scale)
 
     # This rank's queries are chunks `rank` and `2 * cp - 1 - rank` of the sequence.
     rank = dist.get_rank(group)
@@ -172,7 +205,7 @@ def _check_heads_split(heads: int, kv_heads: int, cp_size: int) -> None:
         )
 
 
-def _a2a_attention(q, k, v, group, cp_size: int, scale) -> torch.Tensor:
+def _a2a_attention(q, k, v, group, cp_size: int, scale, mask: AttentionMask | None = None) -> torch.Tensor:
     batch, local_seq, heads, head_dim = q.shape
     kv_heads, seq_len = k.shape[2], local_seq * cp_size
 
@@ -187,7 +220,10 @@ def _a2a_attention(q, k, v, group, cp_size: int, scale) -> torch.Tensor:
     rank_major = _rank_major_positions(seq_len, cp_size, q.device)
     received = received.index_select(1, torch.argsort(rank_major))
     q_heads, k_heads, v_heads = received.split([heads // cp_size, kv_heads // cp_size, kv_heads // cp_size], dim=2)
-    out = _causal_sdpa(q_heads, k_heads, v_heads, scale)  # [batch, seq, heads / cp, head_dim]
+    if mask is None:
+        out = _causal_sdpa(q_heads, k_heads, v_heads, scale)  # [batch, seq, heads / cp, head_dim]
+    else:
+        out = masked_attention.attend(q_heads, k_heads, v_heads, mask.forms[WHOLE_ROW], scale)
 
     out = out.index_select(1, rank_major).reshape(batch, cp_size, local_seq, heads // cp_size, head_dim)
     out = funcol.all_to_all_single_autograd(out.transpose(0, 1).contiguous(), None, None, group)
@@ -198,12 +234,13 @@ def _a2a_attention(q, k, v, group, cp_size: int, scale) -> torch.Tensor:
 
 
 def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str,
-                               scale: float | None = None) -> torch.Tensor:
+                               mask: AttentionMask | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced queries over the whole sequence of the cp group.
 
     q [batch, local_seq, heads, head_dim], k and v [batch, local_seq, kv_heads, head_dim] hold this
     rank's tokens in `shard_sequence` order; v may have a head_dim of its own (MLA), which the
-    output has; `scale` multiplies the scores (None: q's head_dim ** -0.5).
+    output has. `mask` limits the keys (its forms built for this method's `mask_sites` on this
+    rank); `scale` multiplies the scores (None: q's head_dim ** -0.5).
     method in ("allgather", "ring", "a2a"); raises models.errors.UserError for an unknown method
     and for a2a when heads or kv_heads are not divisible by cp."""
     if method not in CP_METHODS:
@@ -219,6 +256,8 @@ def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str
             f"local sequence length {q.shape[1]} is odd; the sequence must be a multiple of 2 x cp = {2 * cp_size}"
         )
     if cp_size == 1:  # one rank holds chunks 0 and 1: the sequence in its own order
+        if mask is not None:
+            return masked_attention.attend(q, k, v, mask.forms[WHOLE_ROW], scale)
         return _causal_sdpa(q, k, v, scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # Every method moves K and V as one tensor and attends on kernels with one head dim: where V's
@@ -227,9 +266,9 @@ def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str
     value_dim, width = v.shape[-1], max(q.shape[-1], v.shape[-1])
     q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     if method == "allgather":
-        out = _allgather_attention(q, k, v, group, cp_size, scale)
+        out = _allgather_attention(q, k, v, group, cp_size, scale, mask)
     elif method == "a2a":
-        out = _a2a_attention(q, k, v, group, cp_size, scale)
+        out = _a2a_attention(q, k, v, group, cp_size, scale, mask)
     else:
-        out = ring_attention(q, k, v, group, scale=scale)
+        out = ring_attention(q, k, v, group, forms=None if mask is None else mask.forms, scale=scale)
     return out if value_dim == width else out[..., :value_dim]

@@ -74,12 +74,13 @@ class ModelModule(nn.Module):
     where the model has it), `head`, or a contiguous part of it (a pipeline stage: `embed`, `mtp`
     and `head` are then None where the stage lacks them).
 
-    As a pipeline stage, `forward(x)` takes the previous stage's plain local activation, calls the
-    `stage_aux` the pipeline set for its aux, and returns the blocks' output as a plain local
-    tensor: the MTP layer, the head and the loss run in the schedule's loss function (`head_loss`),
-    which has the micro-batch's labels. A stage may hold a copy of a layer another stage runs
-    (`Layer.run` False: the embedding, which the last stage's MTP layer shares), registered under
-    the same name so that checkpoints see one parameter."""
+    As a pipeline stage, `forward(x, micro_batch=i)` takes the previous stage's plain local
+    activation and micro-batch i's aux from the `stage_aux(i)` the pipeline set (RoPE positions
+    and attention masks differ between micro-batches), and returns the blocks' output as a plain
+    local tensor: the MTP layer, the head and the loss run in the schedule's loss function
+    (`head_loss`), which has the micro-batch's labels. A stage may hold a copy of a layer another
+    stage runs (`Layer.run` False: the embedding, which the last stage's MTP layer shares),
+    registered under the same name so that checkpoints see one parameter."""
 
     def __init__(self, layers: list[spec.Layer], make_param: MakeParam, ctx: ModelContext):
         super().__init__()
@@ -94,7 +95,7 @@ class ModelModule(nn.Module):
         self.blocks = nn.ModuleDict({name.split(".", 1)[1]: m for name, m in modules.items()})
         self.runs_embedding = self.embed is not None and not self.copies
         self.pipelined = False
-        self.stage_aux: Callable[[], Any] | None = None  # a pipeline stage's aux, one per call
+        self.stage_aux: Callable[[int], Any] | None = None  # a pipeline stage's aux by micro-batch, one per call
         for layer in layers:
             for path, source in layer.tied.items():
                 owner_name, param_name = source.rsplit(".", 1)
@@ -113,8 +114,12 @@ class ModelModule(nn.Module):
         """The layers that run transformer blocks: the blocks, and the MTP layer."""
         return [*self.blocks.values(), *([self.mtp] if self.mtp is not None else [])]
 
-    def forward(self, x: torch.Tensor, aux: Any = None) -> torch.Tensor:
-        aux = self.stage_aux() if aux is None else aux
+    def forward(self, x: torch.Tensor, aux: Any = None, micro_batch: torch.Tensor | None = None) -> torch.Tensor:
+        if aux is None:
+            # The schedule hands each stage its micro-batch's slice of a host index tensor; shape
+            # inference may run the stage on a placeholder of it, for which any micro-batch will do.
+            index = 0 if micro_batch is None or micro_batch.device.type == "meta" else int(micro_batch)
+            aux = self.stage_aux(index)
         if self.runs_embedding:
             x = self.embed(x, aux)
         else:

@@ -21,9 +21,10 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
                 compile_blocks: bool = False, async_tp: bool = False,
                 cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None, ep_dispatch: str = "alltoall",
                 fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fp8_head: bool = False,
-                fuse_projections: bool = False, reshard_mode: str = "default",
+                fuse_projections: bool = False, reshard_mode: str = "default", attention_kernel: str = "auto",
                 ) -> tuple[ModelModule, ParallelContext]:
-    ctx = ParallelContext(plan, mesh, cp_method, expert_mesh)
+    ctx = ParallelContext(plan, mesh, cp_method, expert_mesh, device=device, compute_dtype=compute_dtype,
+                          attention_kernel=attention_kernel)
     ctx.fuse_projections = fuse_projections
     ctx.compile_experts = compile_blocks
     ctx.ep_dispatch = ep_dispatch

@@ -227,14 +227,19 @@ class PipelineRunner:
         self.has_first = 0 in stage_indices
         self.has_last = num_stages - 1 in stage_indices
         last = parts[stage_indices.index(num_stages - 1)] if self.has_last else None
-        self.aux = None
+        self.auxes: list = []
+        self.last_index = None if last is None else parts.index(last)
+        self.last_micro_batch = 0  # of the last stage's latest forward, whose loss comes next
         with_targets = with_targets or (lambda aux, labels: attrs.evolve(aux, labels=labels))
         for part in parts:
             part.pipelined = True
 
         def loss_fn(hidden, labels):
-            # Runs on the last stage: MTP, head, loss, and the scale to the global batch.
-            return last.head_loss(hidden, with_targets(self._call_aux("loss"), labels)) * self.loss_scale
+            # Runs on the last stage, right after its forward of the same micro-batch: MTP (whose
+            # block reads that micro-batch's positions and mask), head, loss, and the scale to the
+            # global batch.
+            aux = self._call_aux("loss", self.last_micro_batch)
+            return last.head_loss(hidden, with_targets(aux, labels)) * self.loss_scale
 
         self.loss_scale = loss_scale
         self.num_microbatches = num_microbatches
@@ -242,47 +247,57 @@ class PipelineRunner:
         self.schedule = build_schedule(parts, stage_indices, num_stages, schedule, num_microbatches,
                                        loss_fn, device, group)
 
-    def step(self, inputs, labels, aux, loss_factor: float = 1.0) -> torch.Tensor:
-        """Forward and backward of all micro-batches; the summed (unscaled) loss of this rank's
-        last stage, zero on ranks without it. `loss_factor` multiplies the loss before backward."""
+    def step(self, inputs, labels, auxes: list, loss_factor: float = 1.0) -> torch.Tensor:
+        """Forward and backward of all micro-batches (`auxes`: each one's aux, in order); the summed
+        (unscaled) loss of this rank's last stage, zero on ranks without it. `loss_factor`
+        multiplies the loss before backward."""
         if loss_factor == 1.0:
-            return self._run(self.schedule.step, inputs, labels, aux)
+            return self._run(self.schedule.step, inputs, labels, auxes)
         scale, self.loss_scale = self.loss_scale, self.loss_scale * loss_factor
         try:
-            return self._run(self.schedule.step, inputs, labels, aux) * loss_factor
+            return self._run(self.schedule.step, inputs, labels, auxes) * loss_factor
         finally:
             self.loss_scale = scale
 
-    def evaluate(self, inputs, labels, aux) -> torch.Tensor:
+    def evaluate(self, inputs, labels, auxes: list) -> torch.Tensor:
         """Forward only, same result as `step`."""
-        return self._run(self.schedule.eval, inputs, labels, aux)
+        return self._run(self.schedule.eval, inputs, labels, auxes)
 
-    def _run(self, run, inputs, labels, aux) -> torch.Tensor:
-        self.aux, self._calls = aux, {}
+    def _run(self, run, inputs, labels, auxes: list) -> torch.Tensor:
+        assert len(auxes) == self.num_microbatches, (len(auxes), self.num_microbatches)
+        self.auxes, self._calls = auxes, {}
         for index, part in enumerate(self.parts):
             part.stage_aux = functools.partial(self._call_aux, index)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         target = labels if self.has_last else None
-        run(*args, target=target, losses=losses)
+        # Split like the inputs, one entry per micro-batch, and given to every stage: the index of
+        # the micro-batch a stage runs, so that it reads that micro-batch's aux.
+        micro_batch = torch.arange(self.num_microbatches)
+        run(*args, target=target, losses=losses, micro_batch=micro_batch)
         self._count_last_calls()
         if not losses:
             return torch.zeros((), device=labels.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum() / self.loss_scale
 
-    def _call_aux(self, key):
-        """The aux of one call of a stage (or of the loss function), with statistics sinks (router
-        and MTP statistics) of its own. torch's stages run a first micro-batch once more before the
-        schedule to learn its shapes (at the first step, and after each switch between training and
-        evaluation; torch 2.13 on uninitialised activations): only the schedule's calls may count,
-        which are the last `num_microbatches` calls of each stage (`_count_last_calls`)."""
-        sinks = {f.name: value.fresh() for f in attrs.fields(type(self.aux))
-                 if hasattr(value := getattr(self.aux, f.name), "absorb")}
+    def _call_aux(self, key, micro_batch: int):
+        """Micro-batch `micro_batch`'s aux for one call of a stage (or of the loss function), with
+        statistics sinks (router and MTP statistics) of its own. torch's stages run a first
+        micro-batch once more before the schedule to learn its shapes (at the first step, and after
+        each switch between training and evaluation; torch 2.13 on uninitialised activations): only
+        the schedule's calls may count, which are the last `num_microbatches` calls of each stage
+        (`_count_last_calls`)."""
+        aux = self.auxes[micro_batch]
+        if key == self.last_index:
+            self.last_micro_batch = micro_batch
+        sinks = {f.name: value.fresh() for f in attrs.fields(type(aux))
+                 if hasattr(value := getattr(aux, f.name), "absorb")}
         self._calls.setdefault(key, []).append(sinks)
-        return attrs.evolve(self.aux, **sinks)
+        return attrs.evolve(aux, **sinks)
 
     def _count_last_calls(self) -> None:
+        # Every micro-batch's aux shares the step's statistics objects (evolved from one aux).
         for calls in self._calls.values():
             for sinks in calls[-self.num_microbatches:]:
                 for name, sink in sinks.items():
-                    getattr(self.aux, name).absorb(sink)
+                    getattr(self.auxes[0], name).absorb(sink)

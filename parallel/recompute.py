@@ -12,6 +12,11 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from models.errors import UserError
 
+try:  # registers torch's variable-length attention op (torch >= 2.10), named below
+    import torch.nn.attention.varlen  # noqa: F401
+except ImportError:
+    pass
+
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 _aten = torch.ops.aten
@@ -39,6 +44,13 @@ _SAVED_OPS = {
     _c10d.all_to_all_single.default,
     _c10d.wait_tensor.default,
     torch.ops._c10d_functional_autograd.all_to_all_single.default,
+    # Masked attention (parallel/masked_attention.py): FlexAttention, and variable-length flash
+    # attention through torch (its custom op, named per torch version, and the kernel under it).
+    torch.ops.higher_order.flex_attention,
+    _aten._flash_attention_forward.default,
+    *(getattr(namespace, "_varlen_attn").default for namespace in
+      (getattr(torch.ops, name) for name in ("torch_attn", "torch_nn_attention"))
+      if hasattr(namespace, "_varlen_attn")),
 }
 
 

@@ -1,7 +1,9 @@
 """Ring context-parallel attention: K/V blocks travel round the cp ranks while the previous block is
 attended to; partial results merge by log-sum-exp; in backward dK/dV travel round with them back to
 their owner. Layout and load balancing are parallel/context_parallel.py's (rank i holds sequence
-chunks i and 2*cp-1-i). Each block runs a fused kernel of parallel/attention_blocks.py.
+chunks i and 2*cp-1-i). Each block runs a fused kernel of parallel/attention_blocks.py, or with a
+mask (documents, a sliding window) the block's form of parallel/masked_attention.py; a masked block
+where no query sees a key is skipped.
 """
 
 from __future__ import annotations
@@ -9,8 +11,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel import masked_attention
 from parallel.attention_blocks import (BLOCK_KERNELS, block_attention, block_attention_backward,
                                        choose_block_kernel, merge_into)
+
+
+def ring_site(step: int) -> str:
+    """The name of step `step`'s block among a mask's forms (parallel/context_parallel.py builds them)."""
+    return f"ring{step}"
 
 
 class _RingShift:
@@ -50,30 +58,38 @@ class _RingAttention(torch.autograd.Function):
     K and V travel stacked as one [2, batch, seq, kv_heads, head_dim] tensor (only the kv heads)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, kernel, scale):
+    def forward(ctx, q, k, v, group, kernel, forms, scale):
         ring, rank, cp_size = _RingShift(group), dist.get_rank(group), dist.get_world_size(group)
         half = q.shape[1] // 2
         kv = torch.stack([k, v])
         out = lse = state = None
+
+        def attend(step, q, k, v, causal):
+            if forms is None:
+                return block_attention(kernel, q, k, v, causal, scale)
+            return (*masked_attention.block_forward(q, k, v, forms[ring_site(step)], scale), None)
+
         for step in range(cp_size):
             source = (rank - step) % cp_size
             # Issue the next block's transfer before this block's attention so the two overlap.
             pending = ring.start(kv, _KV_TAG) if step + 1 < cp_size else None
             block_k, block_v = kv
             if step == 0:
-                block_out, lse, state = block_attention(kernel, q, block_k, block_v, causal=True, scale=scale)
+                block_out, lse, state = attend(step, q, block_k, block_v, causal=True)
                 out = block_out.to(lse.dtype).contiguous()  # the merge accumulates in the lse's precision
+            elif forms is not None and forms[ring_site(step)].empty:
+                pass  # no query here sees a key of this block (other documents, out of the window)
             elif source < rank:
-                block = block_attention(kernel, q, block_k[:, :half], block_v[:, :half], causal=False, scale=scale)
+                block = attend(step, q, block_k[:, :half], block_v[:, :half], causal=False)
                 merge_into(out, lse, *block[:2])
             else:
-                block = block_attention(kernel, q[:, half:], block_k, block_v, causal=False, scale=scale)
+                block = attend(step, q[:, half:], block_k, block_v, causal=False)
                 merge_into(out[:, half:], lse[:, :, half:], *block[:2])
             if pending is not None:
                 kv = ring.finish(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.kernel, ctx.state = group, kernel, state
+        ctx.group, ctx.kernel, ctx.state, ctx.forms, ctx.scale = group, kernel, state, forms, scale
         return out
 
     @staticmethod
@@ -82,7 +98,11 @@ class _RingAttention(torch.autograd.Function):
         ring, rank, cp_size = _RingShift(ctx.group), dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
         half = q.shape[1] // 2
 
+        forms = ctx.forms
+
         def block_backward(grad_out, q, k, v, out, lse, causal):
+            if forms is not None:
+                return masked_attention.block_backward(grad_out, q, k, v, out, lse, forms[ring_site(step)], ctx.scale)
             return block_attention_backward(ctx.kernel, grad_out, q, k, v, out, lse, causal, ctx.state)
 
         grad_q = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
@@ -100,6 +120,8 @@ class _RingAttention(torch.autograd.Function):
                 grad_q += block[0]
                 grad_k += block[1]
                 grad_v += block[2]
+            elif forms is not None and forms[ring_site(step)].empty:
+                pass  # the block was skipped forward: it has no gradient, but the ring still carries dK/dV
             elif source < rank:
                 block = block_backward(grad_out, q, block_k[:, :half], block_v[:, :half], out, lse, causal=False)
                 grad_q += block[0]
@@ -120,18 +142,19 @@ class _RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 kv = ring.finish(pending_kv)
         grad_k, grad_v = ring.finish(pending_grad_kv)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q, k, v, group: dist.ProcessGroup, *, kernel: str | None = None,
-                   scale: float | None = None) -> torch.Tensor:
+                   forms: dict | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced queries over the whole sequence, by the ring.
 
     q [batch, local_seq, heads, head_dim], k and v [batch, local_seq, kv_heads, head_dim] in
     `shard_sequence` order, local_seq even. kernel: one of BLOCK_KERNELS, or None for
-    `choose_block_kernel(q)`; cuDNN and flash need CUDA, fp16/bf16 and a supported head_dim. `scale`
+    `choose_block_kernel(q)`; cuDNN and flash need CUDA, fp16/bf16 and a supported head_dim.
+    forms: a mask's forms by `ring_site(step)`, for attention within documents or a window. `scale`
     multiplies the scores (None: head_dim ** -0.5)."""
     kernel = kernel or choose_block_kernel(q)
     if kernel not in BLOCK_KERNELS:
         raise ValueError(f"unknown ring attention block kernel {kernel!r}; use one of {', '.join(BLOCK_KERNELS)}")
-    return _RingAttention.apply(q, k, v, group, kernel, scale)
+    return _RingAttention.apply(q, k, v, group, kernel, forms, scale)

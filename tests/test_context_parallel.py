@@ -31,7 +31,8 @@ def test_context_parallel_matches_one_process(tmp_path, single_run, mesh, nproc)
 @pytest.mark.parametrize("extra,message", [
     (["--mesh", "cp=3", "--print-plan"], "--seq-len 64 is not divisible by 2 x cp = 6"),
     (["--mesh", "cp=4", "--cp-comm", "a2a", "--print-plan"], "--cp-comm a2a splits heads over cp=4"),
-    (["--mesh", "cp=2", "--document-mask", "--print-plan"], "not available with pp > 1 or cp > 1"),
+    (["--mesh", "cp=2", "--synthetic-document-length", "8", "--print-plan"], "use it with --data synthetic"),
+    (["--model-overrides", "sliding_window=0", "--print-plan"], "sliding_window=0 must be >= 1"),
 ])
 def test_bad_context_parallel_settings(extra, message, capsys):
     assert main([*TINY_ARGS, *extra]) == 2

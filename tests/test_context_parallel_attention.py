@@ -1,5 +1,6 @@
 """dtrain's context-parallel attention (allgather, ring, a2a) against full causal attention of the
-unsplit sequence: output and dq/dk/dv on every rank, fp32 on CPU with gloo, relative error <= 1e-5.
+unsplit sequence, plain and within documents and sliding windows (the dense mask on one device):
+output and dq/dk/dv on every rank, fp32 on CPU with gloo, relative error <= 1e-5.
 One spawned process group per cp size runs every case (tests/workers/cp_attention.py).
 The ring's block kernels (out + log-sum-exp forward, backward from the merged out and lse) are checked
 one block at a time against math attention; on 2 GPUs (marked gpu) the ring runs in bf16 with each of
@@ -49,7 +50,8 @@ def spawned_results(tmp_path_factory):
 
 def _expected_runs(cp: int) -> list[str]:
     runs = []
-    for name, case in cp_attention.CASES.items():
+    shapes = {**cp_attention.CASES, **{f"masked_{name}": case[0] for name, case in cp_attention.MASKED_CASES.items()}}
+    for name, case in shapes.items():
         for method in CP_METHODS:
             if method != "a2a" or (case.heads % cp == 0 and case.kv_heads % cp == 0):
                 runs.append(f"{name}/{method}")
@@ -71,6 +73,8 @@ def test_matches_full_causal_attention_on_every_rank(spawned_results, cp, run):
 def test_every_method_runs_gqa_and_batch(cp):
     methods = {run.split("/")[1] for run in _expected_runs(cp)}
     assert methods == set(CP_METHODS)
+    masked = [run for run in _expected_runs(cp) if run.startswith("masked_")]
+    assert {run.split("/")[1] for run in masked} == set(CP_METHODS)
     gqa = [run for run in _expected_runs(cp) if run.startswith("gqa_batch2") or run.startswith("gqa_8_4")]
     assert {run.split("/")[1] for run in gqa} == set(CP_METHODS)
 

@@ -166,3 +166,22 @@ def test_user_errors_are_one_line(tmp_path):
     with pytest.raises(UserError) as caught:
         TokenDataset(BUNDLED, None, seq_len=SEQ_LEN, model_vocab_size=10, seed=0)
     assert "\n" not in str(caught.value)
+
+
+def test_synthetic_documents_have_the_mean_length_and_keep_the_tokens():
+    plain = TokenDataset("synthetic", None, 512, 1000, seed=3, documents=True)
+    packed = TokenDataset("synthetic", None, 512, 1000, seed=3, documents=True, synthetic_document_length=64)
+    [one], [many] = plain.micro_batches(2, 8, 8, 0, 1), packed.micro_batches(2, 8, 8, 0, 1)
+    assert torch.equal(one.inputs, many.inputs) and not one.document_ids.any()
+    ids = many.document_ids
+    assert ids[:, 0].eq(0).all() and (ids.diff(dim=1) >= 0).all() and (ids.diff(dim=1) <= 1).all()
+    mean_length = ids.numel() / (ids[:, -1] + 1).sum().item()
+    assert 48 < mean_length < 80, mean_length  # 4096 tokens: about 64 documents of geometric lengths
+    # A pure function of (seed, step, row), whatever the data-parallel split.
+    halves = [packed.micro_batches(2, 8, 4, rank, 2)[0].document_ids for rank in (0, 1)]
+    assert torch.equal(torch.cat(halves), ids)
+    assert not torch.equal(packed.micro_batches(3, 8, 8, 0, 1)[0].document_ids, ids)
+    with pytest.raises(UserError, match="use it with --data synthetic"):
+        TokenDataset("bundled", None, 64, 2048, seed=0, synthetic_document_length=8)
+    with pytest.raises(UserError, match="--synthetic-document-length -1 must be >= 0"):
+        TokenDataset("synthetic", None, 64, 2048, seed=0, synthetic_document_length=-1)

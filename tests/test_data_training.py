@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from models.context import causal_attention
+from models.context import LocalContext
 from models.layers import apply_rope, rope_frequencies, rope_table
 from tests.launch import train_scalars
 
@@ -21,14 +21,25 @@ def test_indexed_blend_trains_with_validation_and_document_mask(tmp_path, indexe
     assert scalars["train/loss"][-1] < scalars["train/loss"][0]
 
 
-def test_document_mask_equals_attention_per_document():
+@pytest.mark.parametrize("window", [None, 3])
+def test_document_mask_equals_attention_per_document(window):
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 12, 4, 8), torch.randn(1, 12, 2, 8), torch.randn(1, 12, 2, 8)
     boundaries = [0, 5, 9, 12]
     document_ids = torch.tensor([[i for i in range(3) for _ in range(boundaries[i + 1] - boundaries[i])]])
-    masked = causal_attention(q, k, v, document_ids)
+    ctx = LocalContext()
+    masked = ctx.attention(q, k, v, ctx.attention_mask(document_ids, window))
     for start, end in zip(boundaries, boundaries[1:]):
-        alone = causal_attention(q[:, start:end], k[:, start:end], v[:, start:end])
+        # Each document alone, with the window as an explicit band of keys.
+        alone_ids = torch.zeros(1, end - start, dtype=torch.int64)
+        alone_mask = ctx.attention_mask(alone_ids, window) if window is not None else None
+        alone = ctx.attention(q[:, start:end], k[:, start:end], v[:, start:end], alone_mask)
+        if window is not None:
+            band = [[0 <= p - j < window for j in range(end - start)] for p in range(end - start)]
+            explicit = torch.nn.functional.scaled_dot_product_attention(
+                *(t[:, start:end].transpose(1, 2) for t in (q, k, v)), attn_mask=torch.tensor(band),
+                enable_gqa=True).transpose(1, 2)
+            torch.testing.assert_close(alone, explicit, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(masked[:, start:end], alone, rtol=1e-5, atol=1e-6)
 
 

@@ -76,9 +76,10 @@ def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
 
 
-def _reference_mla(p: dict, x: torch.Tensor, cfg: DeepSeekConfig) -> torch.Tensor:
+def _reference_mla(p: dict, x: torch.Tensor, cfg: DeepSeekConfig, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """MLA written out: the scores as the sum of the per-head no-position part and the rotary part
-    against the one rotary key of each token, rotated pair by pair."""
+    against the one rotary key of each token, rotated pair by pair; `allowed` [batch, seq, seq]
+    limits the keys further."""
     batch, seq, _ = x.shape
     heads, nope, rotary, v_dim, half = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim // 2
     q = x @ p["wq"].T if "wq" in p else _rms(x @ p["wq_a"].T, p["q_norm"]) @ p["wq_b"].T
@@ -100,6 +101,8 @@ def _reference_mla(p: dict, x: torch.Tensor, cfg: DeepSeekConfig) -> torch.Tenso
     scores = scores + torch.einsum("bihd,bjd->bhij", q_rope, k_rope)
     scores = scores * mla.softmax_scale(cfg)
     scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     out = torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), kv[..., nope:])
     return out.reshape(batch, seq, heads * v_dim) @ p["wo"].T
 
@@ -113,6 +116,23 @@ def test_mla_equals_the_per_head_reference(overrides):
     x = torch.randn(2, 12, cfg.dim, generator=torch.Generator().manual_seed(0))
     out = mla.attention(p, x, mla.rope(cfg, torch.arange(12)), cfg, LocalContext())
     torch.testing.assert_close(out, _reference_mla(p, x, cfg), rtol=1e-5, atol=1e-5)
+
+
+def test_mla_takes_the_document_and_window_mask_of_the_other_attention():
+    cfg = get_model_config("tiny-mla")
+    p = _params(cfg, std=0.2)["blocks"]["0"]["attn"]
+    x = torch.randn(2, 12, cfg.dim, generator=torch.Generator().manual_seed(1))
+    document_ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 2 + [2] * 7])
+    window = 4
+    ctx = LocalContext()
+    out = mla.attention(p, x, mla.rope(cfg, torch.arange(12)), cfg, ctx, ctx.attention_mask(document_ids, window))
+    position = torch.arange(12)
+    allowed = ((document_ids[:, :, None] == document_ids[:, None, :])
+               & (position[:, None] - position[None, :] < window)[None])
+    expected = _reference_mla(p, x, cfg, allowed)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # The mask matters here: plain causal MLA differs.
+    assert (mla.attention(p, x, mla.rope(cfg, torch.arange(12)), cfg, ctx) - expected).abs().max() > 1e-2
 
 
 def test_softmax_scale_follows_yarn_mscale_all_dim():

@@ -84,3 +84,12 @@ def test_format_line_without_mfu():
                   "mem 1.23 GB"):
         assert piece in line
     assert line.split(" | ")[-1] == "mem 1.23 GB"
+
+
+def test_document_attention_flops_count_the_attended_keys():
+    cfg = get_model_config("llama-1b")
+    # One causal document per row: (S + 1) / 2 keys per query, half the convention's attention term
+    # plus half a key.
+    causal = flops_per_token(cfg, SEQ, attended_keys=(SEQ + 1) / 2)
+    assert flops_per_token(cfg, SEQ) - causal == 12 * L * D * (SEQ - 1) / 2
+    assert flops_per_token(cfg, SEQ, attended_keys=0) == 6 * matmul_params(cfg)

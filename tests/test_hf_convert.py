@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -68,7 +69,8 @@ def _assert_matches_transformers(model, params, cfg, forward) -> None:
 def _dtrain_logits(params, tokens, cfg):
     """The layers' forward functions up to the head, then the head's norm and output matmul."""
     tree, ctx = spec.unflatten(params), LocalContext()
-    aux = families.make_aux(cfg, torch.arange(tokens.shape[1]))
+    aux = attrs.evolve(families.make_aux(cfg, torch.arange(tokens.shape[1])),
+                       mask=llama.window_mask(cfg, ctx, *tokens.shape))
     x = tokens
     for layer in families.layers(cfg)[:-1]:
         x = layer.forward(llama._lookup(tree, layer.name), x, aux, ctx)
@@ -212,10 +214,11 @@ def _safetensors(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in files for k, v in load_file(path / f).items()}
 
 
-@pytest.mark.parametrize("fused,tie,rope", [(False, False, None), (True, True, LLAMA3_ROPE)],
-                         ids=["hub-layout", "fused-layout-tied-llama3-rope"])
-def test_imported_mixtral_gives_transformers_logits_and_loss(tmp_path, fused, tie, rope):
-    model = make_hf_mixtral(tmp_path, fused=fused, tie=tie, rope=rope)
+@pytest.mark.parametrize("fused,tie,rope,window", [(False, False, None, None), (True, True, LLAMA3_ROPE, None),
+                                                  (False, False, None, 7)],
+                         ids=["hub-layout", "fused-layout-tied-llama3-rope", "sliding-window"])
+def test_imported_mixtral_gives_transformers_logits_and_loss(tmp_path, fused, tie, rope, window):
+    model = make_hf_mixtral(tmp_path, fused=fused, tie=tie, rope=rope, sliding_window=window)
     names = _safetensors(tmp_path).keys()
     assert any("gate_up_proj" in n for n in names) == fused and any(".experts.3.w2." in n for n in names) != fused
     cfg, params = hf_convert.load_hf_params(tmp_path)
@@ -223,6 +226,7 @@ def test_imported_mixtral_gives_transformers_logits_and_loss(tmp_path, fused, ti
     assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn_dim, cfg.aux_loss_coef) == (4, 2, 96, 0.02)
     assert cfg.score_func == "softmax" and cfg.route_norm and cfg.num_shared_experts == 0 and cfg.capacity_factor is None
     assert cfg.tie_embeddings == tie and (cfg.rope_scaling is not None) == (rope is not None)
+    assert cfg.sliding_window == window  # 7 of the 40 tokens below: the window changes the logits
     assert params["blocks.1.moe.experts.w_gate"].shape == (4, 96, 64) and params["blocks.1.moe.experts.w_down"].shape == (4, 64, 96)
     _assert_matches_transformers(model, params, cfg, mixtral.forward)
 
@@ -314,8 +318,8 @@ def test_broken_mixtral_directories_and_unexportable_models_are_one_line_errors(
     with pytest.raises(UserError, match=r"has model\.layers\.0\.block_sparse_moe\.experts\.3\.w1\.weight, which its "
                                         r"config.json does not account for \(0 missing, 6 unexpected"):
         hf.HFCheckpoint(tmp_path / "hf")
-    config_path.write_text(json.dumps({**config, "sliding_window": 4096}))
-    with pytest.raises(UserError, match="sliding_window=4096, but dtrain's attention has no sliding window"):
+    config_path.write_text(json.dumps({**config, "sliding_window": 0}))
+    with pytest.raises(UserError, match="sliding_window=0 is not a positive number of tokens"):
         hf.HFCheckpoint(tmp_path / "hf")
     # A Mixtral checkpoint for a Llama run names the fix.
     hf_cfg = hf.config_from_hf(config, "HF")

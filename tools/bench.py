@@ -4,7 +4,9 @@
     torchrun --nproc_per_node 2 -m tools.bench --shape llama-8b -- --mesh dp=2
 
 Throughput is the median over the steps after `--warmup` (compilation excluded); MFU follows
-BENCHMARKS.md. Arguments after `--` go to dtrain's own CLI (`python -m dtrain.run --help`).
+BENCHMARKS.md. Packed documents need no dataset: `-- --document-mask --synthetic-document-length
+2048` packs synthetic documents of random lengths (mean 2048) into every sample; the JSON line then
+also has `mfu_document_attention_pct`, the MFU of the attention the documents needed. Arguments after `--` go to dtrain's own CLI (`python -m dtrain.run --help`).
 `--table FILE` renders the JSON lines of FILE as a markdown table instead, and with
 `--readme README.md` writes it between the README's benchmark markers.
 
@@ -33,6 +35,7 @@ from pathlib import Path
 # Named shapes: model preset and the data shape that BENCHMARKS.md measures it with.
 SHAPES = {
     "llama-1b": ["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "4"],
+    "llama-3b": ["--model", "llama3.2-3b", "--seq-len", "8192", "--micro-batch", "1"],
     "llama-8b": ["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1"],
     "mixtral-small": ["--model", "mixtral-small", "--seq-len", "4096", "--micro-batch", "2"],
     # 15.7B parameters: fp32 master weights and AdamW (16 bytes/param) are ~126 GB per GPU over two,
@@ -163,6 +166,8 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
         "tokens_per_sec_per_gpu": round(tok, 1),
         "median_step_s": round(config.data.global_batch * config.data.seq_len / tok / world_size, 4),
         "mfu_pct": round(statistics.median(h["perf/mfu"] for h in timed), 2) if "perf/mfu" in timed[0] else None,
+        "mfu_document_attention_pct": (round(statistics.median(h["perf/mfu_document_attention"] for h in timed), 2)
+                                       if "perf/mfu_document_attention" in timed[0] else None),
         "peak_mem_gb": round(max(h["mem/peak_gb"] for h in timed), 2),
         "final_loss": round(history[-1]["train/loss"], 4), "steps": steps, "warmup": warmup,
         "args": extra, "torch": torch.__version__,

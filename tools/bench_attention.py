@@ -43,8 +43,8 @@ class _Context(LocalContext):
     def __init__(self, pad: bool):
         self.pad = pad
 
-    def attention(self, q, k, v, document_ids=None, *, scale=None):
-        return fused_causal_attention(q, k, v, document_ids, scale, pad_values=True if self.pad else None)
+    def attention(self, q, k, v, mask=None, *, scale=None):
+        return fused_causal_attention(q, k, v, mask, scale, pad_values=True if self.pad else None)
 
 
 def _attention_params(cfg) -> dict[str, spec.ParamSpec]:

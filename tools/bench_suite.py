@@ -22,6 +22,8 @@ from pathlib import Path
 STEPS = ["--steps", "14", "--warmup", "4"]
 LONG = ["--seq-len", "32768", "--micro-batch", "1"]
 PP = ["--mesh", "pp=2", "--micro-batch", "1"]
+# Packed documents (issue 20): synthetic documents of random lengths, attention within each.
+DOCUMENTS = ["--document-mask", "--synthetic-document-length"]
 
 # name -> (processes, tools.bench arguments); "cpu" setups run without GPUs (a smoke test).
 # MoE on 2 GPUs: each mesh (and expert dispatch) with each way of accumulating 4 micro-batches,
@@ -56,6 +58,18 @@ SUITE: dict[str, tuple[int, list[str]]] = {
     **{f"llama-1b cp=2 {method} seq 32768": (2, ["--shape", "llama-1b", *STEPS, "--", "--compile",
                                                  "--mesh", "cp=2", "--cp-comm", method, *LONG])
        for method in ("allgather", "ring", "a2a")},
+    # Packed documents against the same shape without them; each masked kernel on its own.
+    "llama-3b single": (1, ["--shape", "llama-3b", *STEPS, "--", "--compile"]),
+    **{f"llama-3b single documents{name}": (1, ["--shape", "llama-3b", *STEPS, "--", "--compile", *DOCUMENTS, "2048",
+                                                  *kernel])
+       for name, kernel in (("", []), (" flex", ["--attention-kernel", "flex"]),
+                            (" varlen", ["--attention-kernel", "varlen"]))},
+    **{f"llama-1b cp=2 {method} seq 32768 documents": (2, ["--shape", "llama-1b", *STEPS, "--", "--compile",
+                                                           "--mesh", "cp=2", "--cp-comm", method, *LONG,
+                                                           *DOCUMENTS, "8192"])
+       for method in ("allgather", "ring", "a2a")},
+    "llama-1b single seq 32768 window 4096": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile", *LONG,
+                                                  "--model-overrides", "sliding_window=4096"]),
     "llama-8b dp=2": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2"]),
     "llama-8b dp=2 fp8": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2", "--fp8", "tensorwise"]),
     "llama-8b dp=2 fp8 head": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2",

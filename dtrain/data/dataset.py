@@ -47,11 +47,18 @@ def data_kind(data: str) -> str:
     )
 
 
-def validate_data_args(data: str, tokenizer: str | None, split: str | None = None) -> None:
+def validate_data_args(data: str, tokenizer: str | None, split: str | None = None,
+                       synthetic_document_length: int = 0) -> None:
     """Cheap checks before any model memory is allocated: raise UserError (one line, says what to change)
     when `data` is neither BUNDLED, SYNTHETIC, an existing text file nor indexed data whose files exist
-    and whose blend weights parse, when `split` does not parse, or when `tokenizer` is given and is not an
-    existing file."""
+    and whose blend weights parse, when `split` does not parse, when `tokenizer` is given and is not an
+    existing file, or when synthetic documents are asked of other data or with a negative length."""
+    if synthetic_document_length < 0:
+        raise UserError(f"--synthetic-document-length {synthetic_document_length} must be >= 0 (0: one "
+                        f"document per sample)")
+    if synthetic_document_length and data != SYNTHETIC:
+        raise UserError(f"--synthetic-document-length packs documents into synthetic samples; use it with "
+                        f"--data synthetic (--data {data!r} has its own documents)")
     if data_kind(data) == INDEXED:
         for _, prefix in parse_blend(data):
             check_files(prefix)
@@ -170,14 +177,17 @@ class TokenDataset:
     `part` picks the train, validation or test documents of indexed data (by `split`); synthetic data
     draws an independent stream per part; a text corpus is used whole and has only a train part.
     `cache_dir` holds indexed data's sample indices (default: a directory beside the data).
-    `documents=True` makes micro_batches carry position and document ids (see MicroBatch)."""
+    `documents=True` makes micro_batches carry position and document ids (see MicroBatch). Synthetic
+    rows hold one document each, or with `synthetic_document_length=m` documents of random lengths
+    (a boundary after each token with probability 1/m: geometric lengths of mean m), drawn per row
+    from (seed, step, row) apart from the tokens, which stay the same."""
 
     vocab_size: int  # the tokenizer's vocab size (for synthetic and indexed data: the model vocab given)
 
     def __init__(self, data: str, tokenizer: str | None, seq_len: int, model_vocab_size: int, seed: int, *,
                  part: str = "train", split: str = DEFAULT_SPLIT, cache_dir: str | None = None,
-                 documents: bool = False):
-        validate_data_args(data, tokenizer)
+                 documents: bool = False, synthetic_document_length: int = 0):
+        validate_data_args(data, tokenizer, synthetic_document_length=synthetic_document_length)
         _check_positive(seq_len=seq_len, model_vocab_size=model_vocab_size)
         if part not in PARTS:
             raise UserError(f"part = {part!r} must be one of {PARTS}")
@@ -185,6 +195,7 @@ class TokenDataset:
         self.seed = seed
         self.part = part
         self.documents = documents
+        self.synthetic_document_length = synthetic_document_length
         kind = data_kind(data)
         self._synthetic = kind == SYNTHETIC
         self._indexed: IndexedBlend | None = None
@@ -227,7 +238,8 @@ class TokenDataset:
         --document-mask asks for them."""
         return cls(data_args.data, data_args.tokenizer, data_args.seq_len, model_vocab_size, seed, part=part,
                    split=data_args.split, cache_dir=data_args.data_cache_dir,
-                   documents=data_args.reset_position_ids or data_args.document_mask)
+                   documents=data_args.reset_position_ids or data_args.document_mask,
+                   synthetic_document_length=data_args.synthetic_document_length)
 
     def global_batch(self, step: int, global_batch_size: int) -> torch.Tensor:
         """int64 tensor [global_batch_size, seq_len + 1] of token ids for this step (CPU)."""
@@ -295,7 +307,7 @@ class TokenDataset:
             raise UserError(f"step = {step} must be >= 0")
         if self._synthetic:
             rows = self._synthetic_rows(step, first_row, num_rows)
-            return rows, torch.zeros_like(rows) if with_documents else None  # one document per row
+            return rows, self._synthetic_documents(step, first_row, num_rows) if with_documents else None
         # Global batch `step` is samples [step * G, (step + 1) * G) of the endless sample stream.
         sample_ids = torch.arange(num_rows, dtype=torch.int64) + (step * global_batch_size + first_row)
         if self._indexed is not None:
@@ -333,6 +345,21 @@ class TokenDataset:
             generator = torch.Generator().manual_seed(self.seed + epoch)
             self._permutations[epoch] = torch.randperm(self._num_windows, generator=generator)
         return self._permutations[epoch]
+
+    def _synthetic_documents(self, step: int, first_row: int, num_rows: int) -> torch.Tensor:
+        """Document numbers [num_rows, seq_len + 1] of synthetic rows (see the class docstring)."""
+        mean = self.synthetic_document_length
+        if mean == 0:
+            return torch.zeros(num_rows, self.seq_len + 1, dtype=torch.int64)
+        boundaries = torch.empty(num_rows, self.seq_len + 1, dtype=torch.bool)
+        generator = torch.Generator()
+        step += PARTS.index(self.part) << 48
+        for i in range(num_rows):
+            # Another stream than the row's tokens (their seed with the top bit flipped).
+            generator.manual_seed(_synthetic_seed(self.seed, step, first_row + i) ^ (1 << 63))
+            boundaries[i] = torch.rand(self.seq_len + 1, generator=generator) < 1.0 / mean
+        boundaries[:, 0] = False
+        return boundaries.to(torch.int64).cumsum(dim=1)
 
     def _synthetic_rows(self, step: int, first_row: int, num_rows: int) -> torch.Tensor:
         # One generator per row, so a rank draws only its own rows and still matches global_batch.

@@ -10,6 +10,7 @@ import torch
 
 from dtrain.interop.family import SHARED_NAMES, HFFamily, Piece, common_config_from_hf, common_config_to_hf, map_name, name_tables
 from models.config import LlamaConfig
+from models.errors import UserError
 
 # Llama's dense feed-forward.
 NAMES = SHARED_NAMES + [
@@ -28,6 +29,9 @@ class Llama(HFFamily):
         return LlamaConfig(ffn_dim=hf["intermediate_size"], **common)
 
     def config_to_hf(self, cfg: LlamaConfig, dtype: torch.dtype, base: dict[str, Any] | None) -> dict[str, Any]:
+        if cfg.sliding_window is not None:
+            raise UserError(f"sliding_window={cfg.sliding_window}: Hugging Face's Llama has no sliding window, so "
+                            f"the export would attend differently; export a model without one")
         return common_config_to_hf(cfg, dtype, base, 8192, architectures=[self.architecture],
                                    model_type=self.model_type, intermediate_size=cfg.ffn_dim,
                                    attention_bias=False, mlp_bias=False)

@@ -79,9 +79,9 @@ class Mixtral(HFFamily):
 
     def config_from_hf(self, cfg: dict[str, Any], source: str) -> MoEConfig:
         window = cfg.get("sliding_window")
-        if window is not None:
-            raise UserError(f"{source}: sliding_window={window}, but dtrain's attention has no sliding window (it "
-                            f"matches for sequences up to {window} tokens: set \"sliding_window\": null to import)")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise UserError(f"{source}: sliding_window={window!r} is not a positive number of tokens; set it to "
+                            f"the model's window, or null for full causal attention")
         common = common_config_from_hf(cfg, source, self.title, default_theta=1e6, default_eps=1e-5)
         top_k = cfg["num_experts_per_tok"]
         aux_loss_coef = aux_loss_coef_from_hf(float(cfg.get("router_aux_loss_coef", 0.001)), top_k,
@@ -90,7 +90,8 @@ class Mixtral(HFFamily):
             num_experts=cfg["num_local_experts"], top_k=top_k,
             expert_ffn_dim=cfg["intermediate_size"], num_shared_experts=0, score_func="softmax",
             route_norm=True, aux_loss_coef=aux_loss_coef, z_loss_coef=0.0,
-            bias_update_rate=0.0, capacity_factor=None, first_dense_layers=0, dense_ffn_dim=0, **common,
+            bias_update_rate=0.0, capacity_factor=None, first_dense_layers=0, dense_ffn_dim=0,
+            sliding_window=window, **common,
         )
 
     def config_to_hf(self, cfg: MoEConfig, dtype: torch.dtype, base: dict[str, Any] | None) -> dict[str, Any]:
@@ -109,7 +110,8 @@ class Mixtral(HFFamily):
         return common_config_to_hf(
             cfg, dtype, base, 32768, architectures=[self.architecture], model_type=self.model_type,
             intermediate_size=cfg.expert_ffn_dim, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
-            router_aux_loss_coef=aux_loss_coef_to_hf(cfg.aux_loss_coef, cfg.top_k, cfg.num_layers), sliding_window=None,
+            router_aux_loss_coef=aux_loss_coef_to_hf(cfg.aux_loss_coef, cfg.top_k, cfg.num_layers),
+            sliding_window=cfg.sliding_window,
         )
 
     def known(self, hf_name: str) -> bool:

@@ -17,6 +17,9 @@ from parallel.mesh import MeshSpec
 from parallel.plan import Plan
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     """Every check that needs no memory, so a bad input fails before any work is done."""
     model_cfg = get_model_config(config.model.model, config.model.model_overrides)
@@ -25,7 +28,8 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     _check_model_split(config, model_cfg, mesh_spec)
     _check_sequence_split(config, model_cfg, mesh_spec)
     _check_options(config, model_cfg, mesh_spec)
-    validate_data_args(config.data.data, config.data.tokenizer, config.data.split)
+    validate_data_args(config.data.data, config.data.tokenizer, config.data.split,
+                       config.data.synthetic_document_length)
     return mesh_spec, model_cfg
 
 
@@ -36,9 +40,13 @@ def _check_sizes(config: Config) -> None:
         if value < 1:
             raise UserError(f"{name} {value} must be >= 1")
     for name, value in (("--checkpoint-every", t.checkpoint_every), ("--keep-last", t.keep_last),
-                        ("--eval-every", t.eval_every)):
+                        ("--eval-every", t.eval_every), ("--straggler-every", t.straggler_every)):
         if value < 0:
             raise UserError(f"{name} {value} must be >= 0")
+    # A collective's timeout is a timedelta: no NaN, no infinity (a week is a timeout too).
+    if not (0 < t.init_timeout <= MAX_TIMEOUT_S and 0 <= t.step_timeout <= MAX_TIMEOUT_S):
+        raise UserError(f"--init-timeout {t.init_timeout} and --step-timeout {t.step_timeout} must be seconds in "
+                        f"(0, {MAX_TIMEOUT_S:g}] and [0, {MAX_TIMEOUT_S:g}] (--step-timeout 0: no hang detection)")
     if config.optim.warmup_steps < 0 or config.optim.lr <= 0:
         raise UserError("--lr must be > 0 and --warmup-steps >= 0")
 
@@ -79,11 +87,8 @@ def _check_model_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
 
 
 def _check_sequence_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
-    """Context parallelism's chunks, and the per-document options it (and pipelining) lacks."""
+    """Context parallelism's chunks."""
     d, cp, tp = config.data, mesh_spec.cp, mesh_spec.tp
-    if (mesh_spec.pp > 1 or cp > 1) and (d.reset_position_ids or d.document_mask):
-        raise UserError("--reset-position-ids and --document-mask are not available with pp > 1 or cp > 1 "
-                        "yet; use pp=1 and cp=1")
     if cp == 1:
         return
     if d.seq_len % (2 * cp):

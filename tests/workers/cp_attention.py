@@ -13,9 +13,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from models.context import causal_attention
+from models.context import LocalContext, causal_attention
 from models.errors import UserError
-from parallel.context_parallel import CP_METHODS, context_parallel_attention, shard_sequence
+from parallel import masked_attention
+from parallel.context_parallel import CP_METHODS, context_parallel_attention, mask_sites, shard_sequence
 
 class Case(NamedTuple):
     batch: int
@@ -37,6 +38,21 @@ CASES = {
 }
 
 
+# Masked cases: documents of these lengths in each row (a row of the batch each), and a window.
+MASKED_CASES = {
+    "documents": (Case(2, 32, 4, 2, 8), [[5, 13, 1, 13], [32]], None),
+    "documents_window": (Case(2, 32, 4, 2, 8), [[3, 20, 9], [12, 12, 8]], 6),
+    "window": (Case(1, 32, 4, 4, 8), [[32]], 4),
+    "short_documents": (Case(1, 32, 4, 1, 8), [[2, 3, 1, 4, 2, 5, 3, 6, 6]], None),
+    # MLA's head dims and scale within documents and a window.
+    "mla_documents_window": (Case(1, 32, 4, 4, 24, v_head_dim=16, scale=0.27), [[3, 20, 9]], 6),
+}
+
+
+def document_ids_of(lengths: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([[number for number, n in enumerate(row) for _ in range(n)] for row in lengths])
+
+
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max())
 
@@ -50,16 +66,29 @@ def _random_inputs(case: Case, seed, device="cpu", dtype=torch.float32):
     return [torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes]
 
 
-def _check_case(case: Case, seed, method, group, cp, rank, device="cpu", dtype=torch.float32) -> dict[str, float]:
+def _check_case(case: Case, seed, method, group, cp, rank, device="cpu", dtype=torch.float32,
+                masked: tuple | None = None) -> dict[str, float]:
+    """`masked`: (document ids [batch, seq], window) for attention within documents and the window."""
     q, k, v, grad = _random_inputs(case, seed, device, dtype)
-    # The reference is fp32 math attention of the same (possibly bf16-rounded) inputs.
+    # The reference is fp32 math attention of the same (possibly bf16-rounded) inputs, on one device
+    # with the dense mask (LocalContext's meaning).
     full = [t.detach().to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]
-    reference = causal_attention(*full, scale=case.scale)
+    reference_mask = global_mask = None
+    if masked is not None:
+        reference_mask = LocalContext().attention_mask(*masked)
+        reference_mask = type(reference_mask)(reference_mask.first_key.to(device), reference_mask.window,
+                                              {n: f.to(device) for n, f in reference_mask.forms.items()})
+        sites = mask_sites(method, case.seq_len, cp, rank)
+        global_mask = masked_attention.build_mask(
+            *masked, sites, lambda whole_row: masked_attention.choose_kernel("auto", torch.device(device), dtype,
+                                                                             whole_row, masked[1]),
+            torch.device(device))
+    reference = causal_attention(*full, reference_mask, case.scale)
     reference.backward(grad.float())
     expected = {"out": reference.detach(), "dq": full[0].grad, "dk": full[1].grad, "dv": full[2].grad}
 
     local = [shard_sequence(t, cp, rank).requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*local, group=group, method=method, scale=case.scale)
+    out = context_parallel_attention(*local, group=group, method=method, mask=global_mask, scale=case.scale)
     out.backward(shard_sequence(grad, cp, rank).contiguous())
     actual = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
     return {
@@ -93,6 +122,12 @@ def main(rank: int, cp: int, out_dir: str, device: str = "cpu", dtype_name: str 
             if method == "a2a" and (case.heads % cp or case.kv_heads % cp):
                 continue
             results[f"{name}/{method}"] = _check_case(case, seed + 1, method, group, cp, rank, device, dtype)
+    for seed, (name, (case, lengths, window)) in enumerate(MASKED_CASES.items()):
+        for method in CP_METHODS:
+            if method == "a2a" and (case.heads % cp or case.kv_heads % cp):
+                continue
+            results[f"masked_{name}/{method}"] = _check_case(case, seed + 11, method, group, cp, rank, device,
+                                                             dtype, (document_ids_of(lengths), window))
     results["error/a2a_kv_heads"] = _user_error(1, 4 * cp, 2 * cp, 1, 4, "a2a", group=group)
     results["error/a2a_heads"] = _user_error(1, 4 * cp, 2 * cp + 1, 1, 4, "a2a", group=group)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
