@@ -91,6 +91,11 @@ SUITE: dict[str, tuple[int, list[str]]] = {
        for depth, depth_overrides, options in ((" layers=14", ["num_layers=14"], ["--micro-batch", "2"]),
                                                ("", [], ["--recompute", "full"]))
        for routing, balance in (("", []), (" balanced", ["force_load_balance=true"]))},
+    # MLA within packed documents (its value head dim on the masked kernels).
+    "deepseek-v2-lite dp=2,ep=2 layers=14 documents": (2, ["--shape", "deepseek-v2-lite", *STEPS, "--", "--compile",
+                                                           "--mesh", "dp=2,ep=2", "--global-batch", "16",
+                                                           "--micro-batch", "2", *_overrides(["num_layers=14"]),
+                                                           *DOCUMENTS, "2048"]),
     # Attention sub-blocks alone: llama-1b's GQA beside DeepSeek's MLA (to attention.jsonl beside --out).
     "attention gqa and mla": (1, ["--attention", "all", "--compile", "--steps", "20"]),
 }
