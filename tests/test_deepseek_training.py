@@ -1,7 +1,9 @@
 """The DeepSeek family through the CLI: tiny-mla (MLA with query compression and YaRN, group-limited
 sigmoid routing with the selection bias and its updates, shared experts, a dense first layer,
 one MTP module) on every parallel dimension against one process (CPU, gloo, fp32, 6 steps,
-relative difference <= 2e-4 at every step of the loss, the gradient norm and the MTP loss).
+relative difference <= 2e-4 at every step of the loss, the gradient norm and the MTP loss), on
+packed documents with their masks, positions and a sliding window, which MLA and the MTP block
+read per micro-batch (plain causal MLA on cp: tests/test_context_parallel_attention.py).
 
 pp=2 puts the MTP layer on the last stage with a copy of the embedding it shares; cp=2 gives each
 rank the tokens ahead of its own chunks, taken from the whole sequences. A gradient norm that
@@ -14,6 +16,7 @@ from tests.launch import TINY_ARGS, train_scalars
 
 RTOL = 2e-4
 MLA = ["--model", "tiny-mla", "--steps", "6"]
+DOCUMENTS = ["--document-mask", "--reset-position-ids", "--model-overrides", "sliding_window=24"]
 
 CASES = [
     (["--mesh", "dp=2,ep=2"], 2),
@@ -24,14 +27,15 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def single_mla(tmp_path_factory):
-    return train_scalars(tmp_path_factory.mktemp("single-mla"), MLA)
+def single_mla(tmp_path_factory, indexed_corpus):
+    return train_scalars(tmp_path_factory.mktemp("single-mla"), [*MLA, "--data", indexed_corpus, *DOCUMENTS])
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first case also runs the one-process reference
 @pytest.mark.parametrize("mesh,nproc", CASES, ids=[" ".join(m) for m, _ in CASES])
-def test_tiny_mla_matches_one_process(tmp_path, single_mla, mesh, nproc):
-    parallel = train_scalars(tmp_path, [*MLA, *mesh], nproc=nproc)
+def test_tiny_mla_matches_one_process(tmp_path, indexed_corpus, single_mla, mesh, nproc):
+    parallel = train_scalars(tmp_path, [*MLA, "--data", indexed_corpus, *DOCUMENTS, *mesh], nproc=nproc)
     for tag in ("train/loss", "train/grad_norm", "train/mtp_loss"):
         assert len(parallel[tag]) == 6, tag
         for step, (a, e) in enumerate(zip(parallel[tag], single_mla[tag]), 1):
