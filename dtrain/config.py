@@ -138,8 +138,8 @@ class TrainArgs:
     resume: str | None = _field(None, "continue from a checkpoint: alone, the latest in --run-dir (none "
                                       "yet: start at step 0); or a step_NNNNNN or run directory",
                                 const="latest")
-    init_from_hf: str | None = _field(None, "start from the weights of a Hugging Face Llama or Mixtral checkpoint "
-                                            "directory (config.json + safetensors)")
+    init_from_hf: str | None = _field(None, "start from the weights of a Hugging Face Llama, Mixtral or DeepSeek-V3 "
+                                            "checkpoint directory (config.json + safetensors)")
     init_timeout: float = _field(600.0, "seconds a collective may wait, and a phase may last, while the run starts "
                                         "(building, loading, compiling: the first step included), saves or evaluates")
     step_timeout: float = _field(120.0, "seconds a phase of a step (data, forward, backward, optimizer, sync) may last "

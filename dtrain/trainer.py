@@ -27,11 +27,11 @@ from dtrain.resilience.step_guard import Decision, StepGuard
 from dtrain.resilience.stop_request import StopRequest
 from dtrain.resilience.stragglers import Stragglers
 from dtrain.resilience.watchdog import Watchdog
-from models import families, flops, llama, masking, moe, spec
+from models import families, flops, llama, masking, moe, mtp, spec
 from parallel import context_parallel, pipeline, precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
 from parallel.delayed_scaling import amax_reduction_dims
-from parallel.expert_parallel import choose_dispatch
+from parallel.expert_parallel import choose_dispatch, max_ranks_per_token
 from parallel.gradients import clip_grads_
 from parallel.mesh import build_device_mesh, build_expert_mesh
 from parallel.parallelize import add_full_
@@ -72,7 +72,7 @@ class Trainer:
         self.fp8 = self._fp8_backend()
         # Transformer Engine's delayed scaling: amax histories and scales, updated after each step.
         self.fp8_scaling = getattr(self.fp8, "scaling", None)
-        self.model_parts, self.ctx, self.pipeline = self._build_model()
+        self.model_parts, self.ctx, self.pipeline, self.tied_copies = self._build_model()
         # The whole model on this rank; with pipelining, this rank's stages (several for
         # interleaved schedules) are `model_parts`.
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else None
@@ -121,6 +121,8 @@ class Trainer:
             self.rope_aux = attrs.evolve(self.rope_aux, mask=llama.window_mask(self.model_cfg, self.ctx,
                                                                               d.micro_batch, d.seq_len))
         self.router_stats = getattr(self.rope_aux, "router_stats", None)
+        self.mtp_stats = getattr(self.rope_aux, "mtp_stats", None)
+        self.mtp_depth = flops.mtp_depth(self.model_cfg)
         self.peak_flops = peak_flops(runtime.device)
         self._last_read_back = 0.0
         # On the CPU the launch does the work, so there is nothing to overlap: read back at once.
@@ -135,26 +137,41 @@ class Trainer:
         if runtime.is_main:
             logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s%s", config.model.model,
                         spec.count_params(families.layers(self.model_cfg)) / 1e6, self.mesh_spec,
-                        runtime.world_size, runtime.device.type,
-                        f" | ep dispatch {self.ep_dispatch}" if self.ep_dispatch else "")
+                        runtime.world_size, runtime.device.type, self._ep_line())
+
+    def _ep_line(self) -> str:
+        if not self.ep_dispatch:
+            return ""
+        cfg, ep = self.model_cfg, self.mesh_spec.ep
+        ranks = max_ranks_per_token(cfg.num_experts, ep, cfg.top_k, cfg.num_expert_groups, cfg.topk_groups)
+        return f" | ep dispatch {self.ep_dispatch}, each token's experts on at most {ranks} of {ep} ranks"
 
     def _build_model(self):
-        """This rank's part of the model, laid out on the mesh; the pipeline runner if pp > 1."""
+        """This rank's part of the model, laid out on the mesh; the pipeline runner and the
+        parameters two stages hold (`pipeline.TiedCopies`) if pp > 1."""
         built = build_model_parts(self.config, self.model_cfg, self.plan, self.mesh, expert_mesh=self.expert_mesh,
                                   device=self.runtime.device, ep_dispatch=self.ep_dispatch,
                                   fp8_linear=self.fp8)
         if self.mesh_spec.pp == 1:
-            return built.parts, built.ctx, None
+            return built.parts, built.ctx, None, None
         p = self.config.parallel
         num_microbatches = build.num_microbatches(self.config, self.mesh_spec)
+        depth = flops.mtp_depth(self.model_cfg)
+
+        def with_targets(aux, packed):  # the labels and the tokens ahead travel as one tensor
+            labels, future = mtp.unpack_targets(packed, depth)
+            return attrs.evolve(aux, labels=labels, mtp_targets=future)
+
         runner = pipeline.PipelineRunner(
             built.parts, built.stage_ids, len(built.blocks_per_stage), p.pp_schedule, num_microbatches,
-            self.runtime.device, self.mesh.get_group("pp"), self.loss_scale,
+            self.runtime.device, self.mesh.get_group("pp"), self.loss_scale, with_targets if depth else None,
         )
         if self.runtime.is_main:
             logger.info("pipeline: %s, %d stages, %d micro-batches per step, blocks per stage %s", p.pp_schedule,
                         len(built.blocks_per_stage), num_microbatches, built.blocks_per_stage)
-        return built.parts, built.ctx, runner
+        tied = pipeline.TiedCopies(families.layers(self.model_cfg), built.blocks_per_stage, built.parts, self.mesh,
+                                   p.pp_schedule)
+        return built.parts, built.ctx, runner, tied
 
     def _fp8_backend(self):
         """The FP8 matmuls' backend; delayed scaling reduces amaxes over the ranks holding other
@@ -178,10 +195,10 @@ class Trainer:
         auxes = [self._micro_aux(batch) for batch in micro_batches]
         if self.pipeline is not None:
             inputs = self._local(torch.cat([inputs for inputs, _ in micro_batches]))
-            labels = self._local(torch.cat([labels for _, labels in micro_batches]))
+            targets = self._pipeline_targets(torch.cat([labels for _, labels in micro_batches]))
             self.beat.phase("forward")  # the schedule's forwards and backwards
             with self.ctx.kernel_scope():
-                return self.pipeline.step(inputs, labels, auxes, loss_factor)
+                return self.pipeline.step(inputs, targets, auxes, loss_factor)
         loss_sum = torch.zeros((), device=device)
         with self.ctx.kernel_scope():
             for index, (batch, aux) in enumerate(zip(micro_batches, auxes)):
@@ -205,13 +222,21 @@ class Trainer:
             return tokens
         return context_parallel.shard_sequence(tokens, self.mesh_spec.cp, self.cp_rank)
 
+    def _pipeline_targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's part of full-sequence labels, packed with the tokens ahead for multi-token
+        prediction (made from the whole sequences: under cp they cross this rank's chunks)."""
+        return self._local(mtp.packed_targets(labels, self.mtp_depth) if self.mtp_depth else labels)
+
     def _micro_aux(self, batch) -> llama.Aux:
-        """The micro-batch's labels, and its per-document positions and attention mask when asked
-        for (this rank's chunks of the positions under cp; the mask's forms for its attention)."""
+        """The micro-batch's labels (and tokens ahead, for multi-token prediction), and its
+        per-document positions and attention mask when asked for (this rank's chunks of the
+        positions under cp; the mask's forms for its attention)."""
         d = self.config.data
         changes = {"labels": self._local(batch[1])}
+        if self.mtp_depth:
+            changes["mtp_targets"] = self._local(mtp.future_targets(batch[1], self.mtp_depth))
         if d.reset_position_ids:
-            changes["rope"] = llama.make_aux(self.model_cfg, self._local(batch.position_ids)).rope
+            changes["rope"] = families.rope(self.model_cfg, self._local(batch.position_ids))
         if d.document_mask:
             changes["mask"] = self.ctx.attention_mask(batch.document_ids, self.model_cfg.sliding_window)
         return attrs.evolve(self.rope_aux, **changes)
@@ -244,15 +269,16 @@ class Trainer:
                 for first in range(0, len(batches), per_step):
                     group = batches[first:first + per_step]
                     loss_sum += self.pipeline.evaluate(self._local(torch.cat([b[0] for b in group])),
-                                                       self._local(torch.cat([b[1] for b in group])),
+                                                       self._pipeline_targets(torch.cat([b[1] for b in group])),
                                                        [self._micro_aux(b) for b in group])
             else:
                 for batch in batches:
                     loss_sum += self.model(self._local(batch[0]), self._micro_aux(batch)).float()
         for group in self.loss_groups:
             dist.all_reduce(loss_sum, group=group)
-        if self.router_stats is not None:
-            self.router_stats.reset()  # evaluation routing is not training statistics
+        for stats in (self.router_stats, self.mtp_stats):
+            if stats is not None:
+                stats.reset()  # evaluation is not training statistics
         return loss_sum.item() / (num_steps * d.global_batch * d.seq_len)
 
     def _run_state(self) -> dict:
@@ -289,7 +315,12 @@ class Trainer:
             dist.all_reduce(totals, group=group)
         loss_sum = totals[0]
         rescale_expert_grads_(self.expert_params, self.plan, self.tp_group)
-        grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer)
+        copies = []
+        if self.tied_copies is not None:
+            self.tied_copies.sum_grads()
+            copies = self.tied_copies.copies
+        grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer,
+                                copies=copies)
         decision = self.guard.decide(loss_sum, grad_norm)
         self.optimizer.found_inf = decision.found_inf
         lr = self.scheduler.get_last_lr()[0]
@@ -301,6 +332,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         router_stats = self._after_moe_step(decision.found_inf)
+        mtp_stats = self._after_mtp_step()
         self.step += 1
         self.consumed_samples += d.global_batch
         done = None
@@ -310,7 +342,7 @@ class Trainer:
             done = torch.cuda.Event()
             done.record()
         return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats, decision,
-                            totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp), compute_spans, done)
+                            totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp), compute_spans, done, mtp_stats)
 
     def _read_back(self, launched: "LaunchedStep") -> dict[str, float]:
         """The scalars of a launched step (waits for it). Its time runs from the previous step's
@@ -335,8 +367,9 @@ class Trainer:
             "perf/tokens_per_sec_per_gpu": tokens_per_sec_per_gpu,
             "mem/peak_gb": peak_memory_gb(self.runtime.device),
         }
-        if launched.router_stats is not None:
-            scalars.update(launched.router_stats.scalars())
+        for stats in (launched.router_stats, launched.mtp_stats):
+            if stats is not None:
+                scalars.update(stats.scalars())
         # The keys a query attended to, on average: each document's causal (windowed) attention only.
         attended_keys = attended_pairs / self.global_tokens
         scalars["perf/attended_keys_per_token"] = attended_keys
@@ -371,8 +404,24 @@ class Trainer:
                 add_full_(bias, delta.masked_fill(skipped, 0.0))
 
             for part in self.model_parts:
-                moe.update_expert_bias(dict(part.named_parameters()), self.router_stats, rate, add_unless_skipped)
+                moe.update_expert_bias(dict(part.named_parameters()), self.router_stats, rate, add_unless_skipped,
+                                       block_path=families.block_path(self.model_cfg))
         return self.router_stats.take()
+
+    def _after_mtp_step(self) -> mtp.MTPStats | None:
+        """The step's multi-token prediction losses summed over the ranks holding other tokens (and
+        from the last pipeline stage), to read back later."""
+        if self.mtp_stats is None:
+            return None
+        taken = self.mtp_stats.take()
+        # A fixed shape on every rank: pipeline stages without the MTP layer recorded nothing.
+        totals = torch.zeros(self.mtp_depth, 2, device=self.runtime.device)
+        for depth, value in taken.totals.items():
+            totals[depth] += value
+        for group in self.loss_groups:
+            dist.all_reduce(totals, group=group)
+        taken.totals = dict(enumerate(totals))
+        return taken
 
     def fit(self, before_step=None) -> list[dict[str, float]]:
         """Steps until `--steps`; returns every step's scalars. `before_step(step)` is called
@@ -456,3 +505,4 @@ class LaunchedStep:
     attended_pairs: torch.Tensor  # query-key pairs attention needed over the global batch
     compute_spans: list | None = None  # the layers' forward times of a straggler check
     done: torch.cuda.Event | None = None  # recorded after the step's last kernel (GPUs)
+    mtp_stats: mtp.MTPStats | None = None

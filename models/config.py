@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from models.errors import UserError
@@ -15,6 +17,33 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+
+
+@attrs.frozen
+class YarnScaling:
+    """YaRN (Peng et al. 2023) as DeepSeek-V2/V3 configure it: wavelengths longer than the original
+    context are interpolated by `factor`, short ones kept, a linear ramp between the dims that turn
+    `beta_fast` and `beta_slow` times over it; cos/sin are multiplied by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are set (1 for DeepSeek's
+    checkpoints), else by mscale(factor, 1); MLA's softmax scale by mscale(factor, mscale_all_dim) ** 2
+    where that is set. 0 stands for "not set", as transformers reads these."""
+
+    factor: float = 40.0
+    original_max_seq_len: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by (transformers' `attention_factor`)."""
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @attrs.frozen
@@ -88,6 +117,14 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     # None: dropless. Else each expert keeps ceil(factor * tokens * top_k / num_experts) tokens.
     capacity_factor: float | None = None
+    # Group-limited routing (DeepSeek-V3's n_group / topk_group): experts in num_expert_groups
+    # contiguous groups; a token's top_k come from its topk_groups best groups (a group scores the
+    # sum of its two best sigmoid scores, or its best softmax score). Under ep, where each rank's
+    # block of experts is whole groups, topk_groups bounds how many ranks a token's experts are on.
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    # The chosen experts' weights are multiplied by this after any renormalisation (DeepSeek-V3: 2.5).
+    routed_scaling_factor: float = 1.0
     # Benchmarks only: token t's j-th choice is expert (t * top_k + j) mod num_experts, so every
     # expert gets the same load, as a trained router's near-balance gives. An untrained router on
     # synthetic tokens sends most tokens to a few experts, which under expert parallelism times the
@@ -117,6 +154,9 @@ class MoEConfig:
                 raise UserError(f"model {name}={getattr(self, name)} must be >= 0")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise UserError(f"capacity_factor={self.capacity_factor} must be > 0, or None for dropless routing")
+        _check_groups(self)
+        if self.routed_scaling_factor <= 0:
+            raise UserError(f"routed_scaling_factor={self.routed_scaling_factor} must be > 0")
         if self.first_dense_layers >= self.num_layers:
             raise UserError(f"first_dense_layers={self.first_dense_layers} leaves no MoE layer out of "
                             f"num_layers={self.num_layers}; make it < {self.num_layers} or use a dense model")
@@ -130,6 +170,84 @@ class MoEConfig:
 
     def is_moe_layer(self, index: int) -> bool:
         return index >= self.first_dense_layers
+
+    @property
+    def has_selection_bias(self) -> bool:
+        """Whether each MoE router carries the auxiliary-loss-free selection bias."""
+        return self.bias_update_rate > 0
+
+
+def _check_groups(cfg: MoEConfig) -> None:
+    groups, chosen = cfg.num_expert_groups, cfg.topk_groups
+    if groups < 1 or cfg.num_experts % groups:
+        raise UserError(f"num_expert_groups={groups} must be >= 1 and divide num_experts={cfg.num_experts}")
+    if groups == 1:
+        return
+    per_group = cfg.num_experts // groups
+    if not 1 <= chosen <= groups:
+        raise UserError(f"topk_groups={chosen} must be between 1 and num_expert_groups={groups}")
+    if cfg.top_k > chosen * per_group:
+        raise UserError(f"top_k={cfg.top_k} experts do not fit in topk_groups={chosen} groups of {per_group}; "
+                        f"raise topk_groups or lower top_k")
+    if cfg.score_func == "sigmoid" and per_group < 2:
+        raise UserError(f"sigmoid routing scores a group by its two best experts, but {groups} groups of "
+                        f"{cfg.num_experts} experts hold {per_group} each; use fewer groups")
+
+
+@attrs.frozen
+class DeepSeekConfig(MoEConfig):
+    """DeepSeek-V2/V3: Multi-head Latent Attention in place of GQA, the MoE feed-forward, and
+    optional multi-token prediction.
+
+    MLA: queries come from x (or, with q_lora_rank > 0, from a normed rank-q_lora_rank latent of
+    it); keys and values from a normed rank-kv_lora_rank latent shared by all heads. Each head's
+    query and key are a qk_nope_head_dim part without position and a qk_rope_head_dim part with
+    RoPE; the RoPE part of the key is one vector per token shared by all heads. Values have
+    v_head_dim. Every head has its own key and value (num_kv_heads = num_heads).
+
+    MTP (DeepSeek-V3): mtp_depth sequential modules; module k predicts the token k+1 ahead from
+    the previous depth's hidden state and the embedding of the token k ahead, through one more
+    transformer block, sharing the embedding and output head. Its loss joins the model's with
+    weight mtp_loss_weight / mtp_depth per module."""
+
+    q_lora_rank: int = 0  # 0: queries straight from x (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.1
+    rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = None
+    norm_eps: float = 1e-6
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise UserError(f"model {name}={getattr(self, name)} must be >= 1")
+        for name in ("q_lora_rank", "mtp_depth", "mtp_loss_weight"):
+            if getattr(self, name) < 0:
+                raise UserError(f"model {name}={getattr(self, name)} must be >= 0")
+        if self.qk_rope_head_dim % 2:
+            raise UserError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+        if self.num_kv_heads != self.num_heads:
+            raise UserError(f"MLA gives every head its own key and value: num_kv_heads={self.num_kv_heads} must "
+                            f"equal num_heads={self.num_heads}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def head_dim(self) -> int:
+        return self.qk_head_dim
+
+    @property
+    def has_selection_bias(self) -> bool:
+        # With sigmoid routing the bias is part of the model (DeepSeek-V3's checkpoints carry it),
+        # also where bias_update_rate = 0 leaves it as it is.
+        return self.score_func == "sigmoid" or self.bias_update_rate > 0
 
 
 _LLAMA3_ROPE = RopeScaling(factor=8.0, original_max_seq_len=8192)
@@ -194,6 +312,38 @@ PRESETS: dict[str, LlamaConfig | MoEConfig] = {
         aux_loss_coef=0.001, first_dense_layers=1, dense_ffn_dim=10944, rope_theta=10000.0,
         norm_eps=1e-6,
     ),
+    # DeepSeek family: Multi-head Latent Attention, fine-grained and shared experts, group-limited
+    # routing, multi-token prediction. Parameter counts are checked in tests/test_deepseek.py.
+    # CPU tests: every DeepSeek feature at the tiny scale (YaRN included, so that the softmax scale
+    # is not the default one); the vocabulary matches the bundled tokenizer.
+    "tiny-mla": DeepSeekConfig(
+        dim=64, num_layers=4, num_heads=4, num_kv_heads=4, vocab_size=2048,
+        num_experts=8, top_k=2, expert_ffn_dim=32, num_shared_experts=1, score_func="sigmoid",
+        num_expert_groups=4, topk_groups=2, routed_scaling_factor=2.5, aux_loss_coef=0.001,
+        bias_update_rate=0.001, first_dense_layers=1, dense_ffn_dim=128,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        mtp_depth=1, rope_scaling=YarnScaling(factor=4.0, original_max_seq_len=32, mscale=1.0, mscale_all_dim=1.0),
+    ),
+    # The 2-H200 benchmark shape (published: 15.7B total, 2.4B active): no query compression,
+    # softmax routing without renormalisation, no MTP.
+    "deepseek-v2-lite": DeepSeekConfig(
+        dim=2048, num_layers=27, num_heads=16, num_kv_heads=16, vocab_size=102400,
+        num_experts=64, top_k=6, expert_ffn_dim=1408, num_shared_experts=2, route_norm=False,
+        aux_loss_coef=0.001, first_dense_layers=1, dense_ffn_dim=10944,
+        q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        rope_scaling=YarnScaling(factor=40.0, original_max_seq_len=4096, mscale=0.707, mscale_all_dim=0.707),
+    ),
+    # DeepSeek-V3 (published: 671B total, 37B active, plus an MTP module of 11.5B): sigmoid routing
+    # over 8 groups (4 per token), auxiliary-loss-free balancing, one MTP module. The YaRN settings
+    # are those of the released checkpoint (`--model-overrides rope_scaling=none` for plain RoPE).
+    "deepseek-v3": DeepSeekConfig(
+        dim=7168, num_layers=61, num_heads=128, num_kv_heads=128, vocab_size=129280,
+        num_experts=256, top_k=8, expert_ffn_dim=2048, num_shared_experts=1, score_func="sigmoid",
+        num_expert_groups=8, topk_groups=4, routed_scaling_factor=2.5, aux_loss_coef=0.0001,
+        bias_update_rate=0.001, first_dense_layers=3, dense_ffn_dim=18432,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        mtp_depth=1, rope_scaling=YarnScaling(factor=40.0, original_max_seq_len=4096, mscale=1.0, mscale_all_dim=1.0),
+    ),
 }
 
 # Field types the command line can set, and how to read each from text.
@@ -204,11 +354,13 @@ _OVERRIDE_PARSERS = {
                           "no": False}[text.lower()],
     "str": str,
     "float | None": lambda text: None if text.lower() == "none" else float(text),
+    # Only switched off from the command line: the presets say how to scale.
+    "YarnScaling | None": lambda text: {"none": None}[text.lower()],
     "int | None": lambda text: None if text.lower() == "none" else int(text),
 }
 
 
-def get_model_config(name: str, overrides: str = "") -> LlamaConfig | MoEConfig:
+def get_model_config(name: str, overrides: str = "") -> LlamaConfig | MoEConfig | DeepSeekConfig:
     """A preset, with `overrides` such as "num_layers=2,vocab_size=1000" applied to its fields."""
     try:
         config = PRESETS[name]

@@ -40,9 +40,11 @@ class ModelContext(Protocol):
         kernels read, and shared by every layer; None where plain causal attention is the same."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  mask: AttentionMask | None = None) -> torch.Tensor:
-        """Causal attention over [batch, seq, heads, head_dim] tensors; k/v may have fewer heads (GQA).
-        With `mask` (from `attention_mask`), a token attends only to the keys the mask keeps."""
+                  mask: AttentionMask | None = None, *, scale: float | None = None) -> torch.Tensor:
+        """Causal attention over [batch, seq, heads, head_dim] tensors; k/v may have fewer heads (GQA),
+        and v its own head_dim (MLA), which the output has. With `mask` (from `attention_mask`), a
+        token attends only to the keys the mask keeps. `scale` multiplies the scores (default
+        head_dim ** -0.5)."""
 
     def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy in fp32; labels of -100 are ignored."""
@@ -71,19 +73,19 @@ class ModelContext(Protocol):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: AttentionMask | None = None) -> torch.Tensor:
+                     mask: AttentionMask | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal SDPA on [batch, seq, heads, head_dim] inputs, GQA by head groups; with `mask` the
     keys are also limited to those it keeps (a dense boolean mask: the reference meaning)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = k.shape[1] != q.shape[1]
     if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     else:
         dense = mask.forms.get(DENSE_FORM)
         if dense is None:
             positions = torch.arange(q.shape[2], device=q.device)
             dense = masking.allowed(mask.first_key, positions, positions).unsqueeze(1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa, scale=scale)
     return out.transpose(1, 2)
 
 
@@ -213,11 +215,11 @@ class LocalContext:
         positions = torch.arange(first.shape[1])
         return AttentionMask(first, window, {DENSE_FORM: masking.allowed(first, positions, positions).unsqueeze(1)})
 
-    def attention(self, q, k, v, mask=None):
+    def attention(self, q, k, v, mask=None, *, scale=None):
         if mask is not None and mask.first_key.device != q.device:
             mask = AttentionMask(mask.first_key.to(q.device), mask.window,
                                  {name: form.to(q.device) for name, form in mask.forms.items()})
-        return causal_attention(q, k, v, mask)
+        return causal_attention(q, k, v, mask, scale)
 
     def per_token(self, fn, params, x):
         return fn(params, x)

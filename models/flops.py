@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from models import families, mixtral, spec
-from models.config import LlamaConfig, MoEConfig
+from models.config import DeepSeekConfig, LlamaConfig, MoEConfig
 
 
 def _active_size(param: spec.ParamSpec, cfg: LlamaConfig | MoEConfig) -> int:
@@ -16,28 +16,49 @@ def _active_size(param: spec.ParamSpec, cfg: LlamaConfig | MoEConfig) -> int:
     return size
 
 
-def active_params(cfg: LlamaConfig | MoEConfig) -> int:
-    """Parameters one token uses, embeddings included (the "active" count MoE papers publish)."""
-    return sum(_active_size(p, cfg) for layer in families.layers(cfg) for _, p in spec.flatten(layer.params))
+def active_params(cfg: LlamaConfig | MoEConfig, *, with_mtp: bool = True) -> int:
+    """Parameters one token uses, embeddings included (the "active" count MoE papers publish);
+    `with_mtp=False` leaves the multi-token prediction modules out, as DeepSeek's totals do."""
+    return sum(_active_size(p, cfg) for layer in families.layers(cfg) if with_mtp or layer.name != "mtp"
+               for _, p in spec.flatten(layer.params))
+
+
+def mtp_depth(cfg: LlamaConfig | MoEConfig) -> int:
+    return cfg.mtp_depth if isinstance(cfg, DeepSeekConfig) else 0
 
 
 def matmul_params(cfg: LlamaConfig | MoEConfig) -> int:
     """Parameters that take part in a matmul per token: every 2-D weight except the input
-    embedding; the output head counts, also when it is tied to the embedding. For MoE only the
-    active experts count; the router (a matmul over all experts) counts whole."""
+    embedding; the output head counts, also when it is tied to the embedding, and once more for
+    each multi-token prediction module, which runs it on its own hidden states (their embedding
+    lookups are not matmuls). For MoE only the active experts count; the router (a matmul over all
+    experts) counts whole."""
     total = 0
     for layer in families.layers(cfg):
         if layer.name == "embed":
             continue
         total += sum(_active_size(s, cfg) for _, s in spec.flatten(layer.params) if len(s.shape) >= 2)
-        total += len(layer.tied) * cfg.vocab_size * cfg.dim
-    return total
+    head_uses_not_in_specs = int(cfg.tie_embeddings) + mtp_depth(cfg)
+    return total + head_uses_not_in_specs * cfg.vocab_size * cfg.dim
+
+
+def attention_flops_per_token(cfg: LlamaConfig | MoEConfig, keys: float) -> float:
+    """Scores (q.k over the query/key head dims) and values (over the value head dims), forward and
+    backward, against `keys` keys per query (the whole sequence S, causal or not, by the convention
+    of BENCHMARKS.md), in every attention layer: 6 S (qk + v)
+    per layer, where qk and v are the summed head dims of all heads. For Llama qk = v = d
+    (12 L d S); for MLA heads x (qk_nope + qk_rope) and heads x v_head_dim. MTP blocks attend too."""
+    if isinstance(cfg, DeepSeekConfig):
+        width = cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    else:
+        width = 2 * cfg.dim
+    return 6.0 * keys * width * (cfg.num_layers + mtp_depth(cfg))
 
 
 def flops_per_token(cfg: LlamaConfig | MoEConfig, seq_len: int, attended_keys: float | None = None) -> float:
-    """6 N (forward + backward matmuls) + 12 L d S (attention scores and values, causal or not: the
-    convention of BENCHMARKS.md). With `attended_keys`, the mean number of keys a query attends to,
-    the attention term counts those keys instead of S: the work actually needed, which for packed
-    documents is the sum of their causal attention ((S + 1) / 2 keys for one causal document)."""
+    """6 N (forward + backward matmuls) + the attention scores and values (12 L d S for Llama, causal
+    or not: the convention of BENCHMARKS.md). With `attended_keys`, the mean number of keys a query
+    attends to, the attention term counts those keys instead of S: the work actually needed, which
+    for packed documents is the sum of their causal attention ((S + 1) / 2 keys for one causal document)."""
     keys = seq_len if attended_keys is None else attended_keys
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.num_layers * cfg.dim * keys
+    return 6.0 * matmul_params(cfg) + attention_flops_per_token(cfg, keys)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from models.config import RopeScaling
+from models.config import RopeScaling, YarnScaling
 from models.context import ModelContext
 from models.masking import AttentionMask
 
@@ -18,11 +18,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return normed.type_as(x) * weight
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with Llama-3.1 scaling of the long wavelengths."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama-3.1 or YaRN scaling of the long wavelengths."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq.float()
+    if isinstance(scaling, YarnScaling):
+        return _yarn_frequencies(inv_freq, head_dim, theta, scaling).float()
     low_freq_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -33,6 +35,18 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, blended)
     scaled = torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
     return scaled.float()
+
+
+def _yarn_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: YarnScaling) -> torch.Tensor:
+    """Dims that turn fewer than beta_slow times over the original context are interpolated (divided by
+    the factor), those that turn more than beta_fast times kept, with a linear ramp between."""
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(scaling.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_of(scaling.beta_fast)), 0)
+    high = min(math.ceil(dim_of(scaling.beta_slow)), head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
 
 
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,17 +41,21 @@ def block_forward(p: dict, x: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg:
     attn = attention_block(p["attn"], h, aux.rope, cfg.num_heads, cfg.num_kv_heads, ctx, aux.mask)
     x = x + ctx.constrain(attn, RESIDUAL, "residual")
     h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
+    return x + ctx.constrain(feed_forward(p, h, aux, ctx, cfg=cfg, index=index), RESIDUAL, "residual")
+
+
+def feed_forward(p: dict, h: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg: MoEConfig, index: int) -> torch.Tensor:
+    """The block's MoE feed-forward (`p["moe"]`), or its dense SwiGLU (`p["mlp"]`)."""
     if "moe" in p:
-        ffn = ctx.per_token(functools.partial(moe.moe_forward, cfg=cfg, ctx=ctx, layer=index, aux=aux), p["moe"], h)
-    else:
-        ffn = swiglu_block(p["mlp"], h, ctx)
-    return x + ctx.constrain(ffn, RESIDUAL, "residual")
+        return ctx.per_token(functools.partial(moe.moe_forward, cfg=cfg, ctx=ctx, layer=index, aux=aux), p["moe"], h)
+    return swiglu_block(p["mlp"], h, ctx)
 
 
-def _block_params(cfg: MoEConfig, index: int, std: float, out_std: float) -> dict[str, Any]:
+def block_params(cfg: MoEConfig, index: int, attention: dict[str, Any], std: float, out_std: float) -> dict[str, Any]:
+    """A block's specs around the given `attention` specs: norms, and the feed-forward of layer `index`."""
     params: dict[str, Any] = {
         "attn_norm": spec.ones((cfg.dim,), ("embed",)),
-        "attn": llama.attention_params(cfg, std, out_std),
+        "attn": attention,
         "mlp_norm": spec.ones((cfg.dim,), ("embed",)),
     }
     if cfg.is_moe_layer(index):
@@ -64,7 +68,7 @@ def _block_params(cfg: MoEConfig, index: int, std: float, out_std: float) -> dic
 def layers(cfg: MoEConfig) -> list[spec.Layer]:
     std, out_std = llama.init_stds(cfg)
     embed, head = llama.embed_and_head(cfg)
-    blocks = [spec.Layer(f"blocks.{i}", _block_params(cfg, i, std, out_std),
+    blocks = [spec.Layer(f"blocks.{i}", block_params(cfg, i, llama.attention_params(cfg, std, out_std), std, out_std),
                          functools.partial(block_forward, cfg=cfg, index=i))
               for i in range(cfg.num_layers)]
     return [embed, *blocks, head]

@@ -48,11 +48,13 @@ class Dispatch(NamedTuple):
 
 def route(x_TD: torch.Tensor, router: torch.Tensor, cfg: MoEConfig,
           selection_bias: torch.Tensor | None = None) -> Routing:
-    """Scores every expert for every token and keeps the top k.
+    """Scores every expert for every token and keeps the top k (from the token's best groups, with
+    group-limited routing).
 
     The router runs in fp32: small differences in bf16 logits flip the top-k choice. The
     selection bias (auxiliary-loss-free balancing) only changes which experts are chosen; the
-    weights are the unbiased scores of the chosen experts.
+    weights are the unbiased scores of the chosen experts (renormalised with route_norm), times
+    routed_scaling_factor.
     """
     logits = F.linear(x_TD.float(), router.float())
     scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
@@ -61,11 +63,30 @@ def route(x_TD: torch.Tensor, router: torch.Tensor, cfg: MoEConfig,
         expert_ids = (slot % cfg.num_experts).view(-1, cfg.top_k)
     else:
         choice = scores if selection_bias is None else scores + selection_bias.float()
+        if cfg.num_expert_groups > 1:
+            choice = within_top_groups(choice, cfg)
         expert_ids = choice.topk(cfg.top_k, dim=-1).indices
     weights = scores.gather(-1, expert_ids)
     if cfg.route_norm:
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
     return Routing(expert_ids, weights, scores, logits)
+
+
+def within_top_groups(choice_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """The choice scores with every expert outside the token's topk_groups best groups at -inf.
+    A group scores the sum of its two best choice scores under sigmoid routing (DeepSeek-V3), its
+    best under softmax (DeepSeek-V2); experts are grouped in order, num_experts / groups each."""
+    num_tokens, groups = choice_TE.shape[0], cfg.num_expert_groups
+    grouped = choice_TE.view(num_tokens, groups, -1)
+    if cfg.score_func == "sigmoid":
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+    else:
+        group_scores = grouped.amax(-1)
+    top_groups = group_scores.topk(cfg.topk_groups, dim=-1).indices
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+    return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(choice_TE)
 
 
 def load_balancing_loss(routing: Routing, load: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -181,6 +202,19 @@ class RouterStats:
         self.load.clear()
         self.totals.clear()
 
+    def fresh(self) -> RouterStats:
+        """An empty sink of the same kind (for statistics that may or may not count, `absorb`)."""
+        return RouterStats()
+
+    def absorb(self, other: RouterStats) -> None:
+        """Adds another sink's statistics to these."""
+        for layer in other.load:
+            if layer in self.load:
+                self.load[layer] += other.load[layer]
+                self.totals[layer] += other.totals[layer]
+            else:
+                self.load[layer], self.totals[layer] = other.load[layer], other.totals[layer]
+
     def take(self) -> RouterStats:
         """This step's statistics in a new object, to read later; this one starts the next step empty."""
         taken = RouterStats()
@@ -276,7 +310,7 @@ def moe_params(cfg: MoEConfig, std: float, out_std: float) -> dict[str, Any]:
             "w_down": spec.normal((e, d, f), ("expert", "embed", "expert_mlp"), out_std),
         },
     }
-    if cfg.bias_update_rate > 0:
+    if cfg.has_selection_bias:
         # Zeros (a normal of std 0). It gets no gradient: it only moves the top-k choice, and
         # `update_expert_bias` changes it after each optimizer step.
         params["router_bias"] = spec.ParamSpec((e,), ("router",), "normal", 0.0, weight_decay=False,
@@ -291,15 +325,21 @@ def moe_params(cfg: MoEConfig, std: float, out_std: float) -> dict[str, Any]:
     return params
 
 
-def update_expert_bias(params: dict[str, Any], stats: RouterStats, rate: float, add_=torch.Tensor.add_) -> None:
+def update_expert_bias(params: dict[str, Any], stats: RouterStats, rate: float, add_=torch.Tensor.add_,
+                       block_path=lambda layer: f"blocks.{layer}") -> None:
     """Auxiliary-loss-free balancing (DeepSeek-V3), after the optimizer step: each MoE layer's
     `router_bias` moves by `rate` towards balance, down for experts above the mean load and up
     for those below. `params` is the model's tree (nested, or flat with dotted names such as
-    `blocks.3.moe.router_bias`); `stats` should already be summed over the data-parallel ranks.
-    `add_(bias, delta)` applies a full-shaped delta (the parallel backend passes one for shards)."""
+    `blocks.3.moe.router_bias`), or the part of it one pipeline stage holds (layers it lacks are
+    left out); `block_path(layer)` says where a layer's block is. `stats` should already be summed
+    over the data-parallel ranks. `add_(bias, delta)` applies a full-shaped delta (the parallel
+    backend passes one for shards)."""
     if any("." in key for key in params):
         params = spec.unflatten(params)
     with torch.no_grad():
         for layer, load in stats.load.items():
-            bias = params["blocks"][str(layer)]["moe"]["router_bias"]
-            add_(bias, (rate * torch.sign(load.mean() - load)).to(bias.device, bias.dtype))
+            node = params
+            for key in (*block_path(layer).split("."), "moe", "router_bias"):
+                node = node.get(key) if isinstance(node, dict) else None
+            if node is not None:
+                add_(node, (rate * torch.sign(load.mean() - load)).to(node.device, node.dtype))

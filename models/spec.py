@@ -17,7 +17,7 @@ import attrs
 import torch
 
 # The logical axes that parameters and activations may name. The sharding plan maps them to mesh axes.
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp", "expert", "expert_mlp", "router")
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp", "expert", "expert_mlp", "router", "latent")
 ACTIVATION_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "mlp", "vocab", "head_dim")
 
 
@@ -50,15 +50,19 @@ class Layer:
     """One entry of the model's layer sequence.
 
     `forward(params, x, aux, ctx)` maps the activation of the previous layer (token ids for the
-    first layer) to the next one (the summed loss for the last layer). `aux` holds what every layer
+    first layer) to the next one (the summed loss for the last layer; multi-token prediction's
+    layer, which reads the head's input too, to a term of that loss). `aux` holds what every layer
     of a micro-batch shares: positions, RoPE tables, labels. `tied` maps a parameter path of this
-    layer to the path of the parameter it shares (tied input and output embeddings).
+    layer to the path of the parameter it shares (tied input and output embeddings, the weights
+    multi-token prediction shares). `run=False` marks a layer that another pipeline stage runs,
+    held by this one only for the parameters its layers share with it.
     """
 
     name: str
     params: dict[str, Any]
     forward: Callable[..., torch.Tensor]
     tied: dict[str, str] = attrs.field(factory=dict)
+    run: bool = True
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:

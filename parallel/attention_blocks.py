@@ -19,67 +19,72 @@ from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_fla
 aten = torch.ops.aten
 
 # ---------------------------------------------------------------------------------------------
-# Block kernels on [batch, heads, seq, head_dim] tensors with equal head counts and scale
-# head_dim ** -0.5. forward(q, k, v, causal) -> (out in q's dtype, lse fp32, state for backward);
-# backward(grad_out, q, k, v, out, lse, causal, state) -> (dq, dk, dv). Causal blocks are square.
+# Block kernels on [batch, heads, seq, head_dim] tensors with equal head counts and head dims, the
+# scores scaled by `scale`. forward(q, k, v, causal, scale) -> (out in q's dtype, lse fp32, state
+# for backward); backward(grad_out, q, k, v, out, lse, causal, state, scale) -> (dq, dk, dv).
+# Causal blocks are square.
 
 
-def _cudnn_forward(q, k, v, causal):
+def _cudnn_forward(q, k, v, causal, scale):
     out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, causal, False
+        q, k, v, None, True, 0.0, causal, False, scale=scale
     )
     return out, lse, (seed, offset)
 
 
-def _cudnn_backward(grad_out, q, k, v, out, lse, causal, state):
+def _cudnn_backward(grad_out, q, k, v, out, lse, causal, state, scale):
     seed, offset = state
     return aten._scaled_dot_product_cudnn_attention_backward(
-        grad_out, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal
+        grad_out, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
+        scale=scale,
     )
 
 
-def _flash_forward(q, k, v, causal):
-    out, lse, _, _, _, _, rng_state, unused, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
+def _flash_forward(q, k, v, causal, scale):
+    out, lse, _, _, _, _, rng_state, unused, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)
     return out, lse, (rng_state, unused)
 
 
-def _flash_backward(grad_out, q, k, v, out, lse, causal, state):
+def _flash_backward(grad_out, q, k, v, out, lse, causal, state, scale):
     rng_state, unused = state
     return aten._scaled_dot_product_flash_attention_backward(
-        grad_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, rng_state, unused
+        grad_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, rng_state, unused,
+        scale=scale,
     )
 
 
-def _flash_cpu_forward(q, k, v, causal):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+def _flash_cpu_forward(q, k, v, causal, scale):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse, None
 
 
-def _flash_cpu_backward(grad_out, q, k, v, out, lse, causal, state):
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
+def _flash_cpu_backward(grad_out, q, k, v, out, lse, causal, state, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
+                                                                     scale=scale)
 
 
-def _math_scores(q, k, causal):
+def _math_scores(q, k, causal, scale):
     compute = torch.promote_types(q.dtype, torch.float32)
-    scores = q.to(compute) @ k.to(compute).transpose(-1, -2) * q.shape[-1] ** -0.5
+    scores = q.to(compute) @ k.to(compute).transpose(-1, -2) * scale
     if causal:
         future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
     return scores
 
 
-def _math_forward(q, k, v, causal):
-    scores = _math_scores(q, k, causal)
+def _math_forward(q, k, v, causal, scale):
+    scores = _math_scores(q, k, causal, scale)
     lse = scores.logsumexp(dim=-1)
     out = (scores - lse.unsqueeze(-1)).exp() @ v.to(scores.dtype)
     return out.to(q.dtype), lse, None
 
 
-def _math_backward(grad_out, q, k, v, out, lse, causal, state):
-    probs = (_math_scores(q, k, causal) - lse.unsqueeze(-1)).exp()
+def _math_backward(grad_out, q, k, v, out, lse, causal, state, scale):
+    probs = (_math_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp()
     grad_out = grad_out.to(probs.dtype)
     delta = (grad_out * out.to(probs.dtype)).sum(-1, keepdim=True)
-    grad_scores = probs * (grad_out @ v.to(probs.dtype).transpose(-1, -2) - delta) * q.shape[-1] ** -0.5
+    grad_scores = probs * (grad_out @ v.to(probs.dtype).transpose(-1, -2) - delta) * scale
     grad_q = grad_scores @ k.to(probs.dtype)
     grad_k = grad_scores.transpose(-1, -2) @ q.to(probs.dtype)
     grad_v = probs.transpose(-1, -2) @ grad_out
@@ -119,13 +124,15 @@ def to_kernel_layout(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.contiguous().transpose(1, 2)
 
 
-def block_attention(kernel: str, q, k, v, causal: bool):
+def block_attention(kernel: str, q, k, v, causal: bool, scale: float | None = None):
     """out [batch, seq_q, heads, head_dim] in q's dtype, lse [batch, heads, seq_q] (fp32 for 16- and
-    32-bit inputs) and the state that `block_attention_backward` needs."""
+    32-bit inputs) and the state that `block_attention_backward` needs. `scale` multiplies the
+    scores (None: head_dim ** -0.5)."""
     heads = q.shape[2]
-    out, lse, state = _KERNELS[kernel][0](*(to_kernel_layout(t, heads) for t in (q, k, v)), causal)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse, state = _KERNELS[kernel][0](*(to_kernel_layout(t, heads) for t in (q, k, v)), causal, scale)
     # cuDNN's lse is [batch, heads, seq, 1], flash's [batch, heads, seq]: backward gets the same rank.
-    return out.transpose(1, 2), lse.reshape(lse.shape[:3]), (state, lse.dim())
+    return out.transpose(1, 2), lse.reshape(lse.shape[:3]), (state, lse.dim(), scale)
 
 
 def block_attention_backward(kernel: str, grad_out, q, k, v, out, lse, causal: bool, state):
@@ -134,12 +141,12 @@ def block_attention_backward(kernel: str, grad_out, q, k, v, out, lse, causal: b
     true share of each row's softmax. dk and dv are summed over each kv head's query heads in the
     lse's precision."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    kernel_state, lse_dim = state
+    kernel_state, lse_dim, scale = state
     lse = lse.contiguous()
     if lse_dim == 4:
         lse = lse.unsqueeze(-1)
     tensors = (to_kernel_layout(t, heads) for t in (grad_out, q, k, v, out))
-    grad_q, grad_k, grad_v = (g.transpose(1, 2) for g in _KERNELS[kernel][1](*tensors, lse, causal, kernel_state))
+    grad_q, grad_k, grad_v = (g.transpose(1, 2) for g in _KERNELS[kernel][1](*tensors, lse, causal, kernel_state, scale))
     if kv_heads != heads:
         grad_k, grad_v = (g.to(lse.dtype).unflatten(2, (kv_heads, heads // kv_heads)).sum(3) for g in (grad_k, grad_v))
     return grad_q, grad_k, grad_v

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import logging
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,6 +24,8 @@ from parallel import masked_attention
 from parallel.context_parallel import WHOLE_ROW, context_parallel_attention, mask_sites
 from parallel.expert_parallel import ExpertParallelContextMixin
 from parallel.plan import Plan
+
+logger = logging.getLogger("dtrain")
 
 # cuDNN attention is the fastest on Hopper (BENCHMARKS.md), flash next. The memory-efficient
 # kernel is left out: it is slow and gives wrong gradients under load-balanced context parallelism.
@@ -38,6 +43,44 @@ def shard_extent(x: DTensor, dim: int) -> tuple[int, int]:
             start = min(chunk * x.device_mesh.get_local_rank(mesh_dim), length)
             length, offset = min(chunk, length - start), offset + start
     return length, offset
+
+
+def fused_causal_attention(q, k, v, mask=None, scale=None, *, pad_values: bool | None = None) -> torch.Tensor:
+    """`causal_attention` (`mask` in its reference meaning) on a fused kernel also where V's head dim is smaller than q/k's (MLA):
+    flash wants equal head dims, and cuDNN takes DeepSeek's 192/128 only in some torch and cuDNN
+    versions. Where cuDNN does not take them as they are, V is padded with zeros to q's head dim,
+    which leaves the output's first dims (and all gradients) as they are, and the output is cut back.
+    `pad_values` True or False forces the choice (benchmarks, tests)."""
+    value_dim = v.shape[-1]
+    if q.device.type != "cuda" or value_dim >= q.shape[-1]:
+        return causal_attention(q, k, v, mask, scale)
+    if pad_values is None:
+        pad_values = not _cudnn_takes_head_dims(q.device.index, q.dtype, q.shape[-1], value_dim, q.requires_grad)
+    if not pad_values:
+        return causal_attention(q, k, v.contiguous(), mask, scale)
+    v = torch.nn.functional.pad(v, (0, q.shape[-1] - value_dim))
+    return causal_attention(q, k, v, mask, scale)[..., :value_dim]
+
+
+@torch.compiler.assume_constant_result
+def _cudnn_takes_head_dims(device_index: int, dtype: torch.dtype, qk_dim: int, v_dim: int,
+                           needs_grad: bool) -> bool:
+    # A compiled block asks while it is traced and keeps the answer (the shapes do not change).
+    return cudnn_takes_head_dims(device_index, dtype, qk_dim, v_dim, needs_grad)
+
+
+@functools.cache
+def cudnn_takes_head_dims(device_index: int, dtype: torch.dtype, qk_dim: int, v_dim: int, needs_grad: bool) -> bool:
+    """SDPA's own check, on small tensors of these head dims in the BSHD layout the model gives."""
+    def tensor(dim):
+        t = torch.empty(1, 256, 8, dim, device=torch.device("cuda", device_index), dtype=dtype)
+        return t.requires_grad_(needs_grad).transpose(1, 2)
+
+    q, v = tensor(qk_dim), tensor(v_dim)
+    takes = bool(can_use_cudnn_attention(SDPAParams(q, q, v, None, 0.0, True, False)))
+    logger.info("attention with head dims q/k %d, v %d: %s", qk_dim, v_dim,
+                "cuDNN as they are" if takes else f"v padded to {qk_dim} (cuDNN does not take them here)")
+    return takes
 
 
 class ParallelContext(ExpertParallelContextMixin, LocalContext):
@@ -134,25 +177,26 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
 
         return masked_attention.build_mask(document_ids, window, sites, kernel_of, self.device)
 
-    def attention(self, q, k, v, mask=None):
+    def attention(self, q, k, v, mask=None, *, scale=None):
         if not isinstance(q, DTensor):
-            return self._local_attention(q, k, v, mask)
+            return self._local_attention(q, k, v, mask, scale)
         # Heads are split over tp: each rank attends with its own heads, no communication.
         q_local = q.to_local()
         if k.placements == q.placements:
             k_local, v_local = k.to_local(), v.to_local()
         else:
             k_local, v_local = (self._kv_for_local_queries(t, q) for t in (k, v))
-        out = self._local_attention(q_local, k_local, v_local, mask)
+        out = self._local_attention(q_local, k_local, v_local, mask, scale)
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
 
-    def _local_attention(self, q, k, v, mask: AttentionMask | None):
+    def _local_attention(self, q, k, v, mask: AttentionMask | None, scale: float | None):
         if self.cp_group is not None:
             # The sequence is split over cp: attention is the one place those ranks exchange data.
-            return context_parallel_attention(q, k, v, group=self.cp_group, method=self.cp_method, mask=mask)
+            return context_parallel_attention(q, k, v, group=self.cp_group, method=self.cp_method, mask=mask,
+                                              scale=scale)
         if mask is None:
-            return causal_attention(q, k, v)
-        return masked_attention.attend(q, k, v, mask.forms[WHOLE_ROW])
+            return fused_causal_attention(q, k, v, scale=scale)
+        return masked_attention.attend(q, k, v, mask.forms[WHOLE_ROW], scale)
 
     @staticmethod
     def _kv_for_local_queries(kv: DTensor, q: DTensor) -> torch.Tensor:

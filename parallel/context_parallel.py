@@ -110,11 +110,12 @@ def _kernel_choice(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _causal_sdpa(q, k, v) -> torch.Tensor:
+def _causal_sdpa(q, k, v, scale) -> torch.Tensor:
     """Causal SDPA on [batch, seq, heads, head_dim] tensors, GQA by head groups, never the efficient kernel."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     with _kernel_choice(q.device):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1],
+                                             scale=scale)
     return out.transpose(1, 2)
 
 
@@ -122,7 +123,7 @@ def _causal_sdpa(q, k, v) -> torch.Tensor:
 # allgather: every rank sees all K/V; per-chunk causal masks in global positions.
 
 
-def _allgather_attention(q, k, v, group, cp_size: int, mask: AttentionMask | None = None) -> torch.Tensor:
+def _allgather_attention(q, k, v, group, cp_size: int, scale, mask: AttentionMask | None = None) -> torch.Tensor:
     batch, local_seq, _, head_dim = q.shape
     kv_heads, seq_len = k.shape[2], local_seq * cp_size
     # One collective for K and V; under GQA only the kv heads travel. Its autograd backward is a
@@ -134,18 +135,18 @@ def _allgather_attention(q, k, v, group, cp_size: int, mask: AttentionMask | Non
     kv_global = gathered.index_select(1, torch.argsort(_rank_major_positions(seq_len, cp_size, q.device)))
     k_all, v_all = kv_global.split(kv_heads, dim=2)
     if mask is not None:
-        return masked_attention.attend(q, k_all, v_all, mask.forms[GATHERED])
+        return masked_attention.attend(q, k_all, v_all, mask.forms[GATHERED], scale)
 
     # This rank's queries are chunks `rank` and `2 * cp - 1 - rank` of the sequence.
     rank = dist.get_rank(group)
-    return _attend_own_chunks(q, k_all, v_all, (rank, 2 * cp_size - 1 - rank))
+    return _attend_own_chunks(q, k_all, v_all, (rank, 2 * cp_size - 1 - rank), scale)
 
 
 @torch.compiler.disable
-def _attend_own_chunks(q, k_all, v_all, chunk_indices: tuple[int, int]) -> torch.Tensor:
+def _attend_own_chunks(q, k_all, v_all, chunk_indices: tuple[int, int], scale) -> torch.Tensor:
     """Outside compiled graphs, as the ring's block loop is: the kernel choice reads SDPA's support
     checks (which a graph cannot hold), and the block kernels run as they are, already fused."""
-    return _ChunksOverGatheredKV.apply(q, k_all, v_all, chunk_indices, choose_block_kernel(q))
+    return _ChunksOverGatheredKV.apply(q, k_all, v_all, chunk_indices, choose_block_kernel(q), scale)
 
 
 class _ChunksOverGatheredKV(torch.autograd.Function):
@@ -155,16 +156,17 @@ class _ChunksOverGatheredKV(torch.autograd.Function):
     log-sum-exp; backward gives each block's kernel the merged output and log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k_all, v_all, chunk_indices: tuple[int, int], kernel: str):
+    def forward(ctx, q, k_all, v_all, chunk_indices: tuple[int, int], kernel: str, scale):
         chunk = q.shape[1] // 2
         outputs, lses, state = [], [], None
         for half, index in enumerate(chunk_indices):
             q_chunk, start = q[:, half * chunk:(half + 1) * chunk], index * chunk
             diagonal = slice(start, start + chunk)
-            out, lse, state = block_attention(kernel, q_chunk, k_all[:, diagonal], v_all[:, diagonal], causal=True)
+            out, lse, state = block_attention(kernel, q_chunk, k_all[:, diagonal], v_all[:, diagonal], causal=True,
+                                              scale=scale)
             out = out.to(lse.dtype).contiguous()  # merged in the lse's precision
             if start:
-                past = block_attention(kernel, q_chunk, k_all[:, :start], v_all[:, :start], causal=False)
+                past = block_attention(kernel, q_chunk, k_all[:, :start], v_all[:, :start], causal=False, scale=scale)
                 merge_into(out, lse, *past[:2])
             outputs.append(out)
             lses.append(lse)
@@ -188,7 +190,7 @@ class _ChunksOverGatheredKV(torch.autograd.Function):
                 grad_q[:, rows] += dq
                 grad_k[:, keys] += dk
                 grad_v[:, keys] += dv
-        return grad_q.to(q.dtype), grad_k.to(k_all.dtype), grad_v.to(v_all.dtype), None, None
+        return grad_q.to(q.dtype), grad_k.to(k_all.dtype), grad_v.to(v_all.dtype), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +205,7 @@ def _check_heads_split(heads: int, kv_heads: int, cp_size: int) -> None:
         )
 
 
-def _a2a_attention(q, k, v, group, cp_size: int, mask: AttentionMask | None = None) -> torch.Tensor:
+def _a2a_attention(q, k, v, group, cp_size: int, scale, mask: AttentionMask | None = None) -> torch.Tensor:
     batch, local_seq, heads, head_dim = q.shape
     kv_heads, seq_len = k.shape[2], local_seq * cp_size
 
@@ -219,9 +221,9 @@ def _a2a_attention(q, k, v, group, cp_size: int, mask: AttentionMask | None = No
     received = received.index_select(1, torch.argsort(rank_major))
     q_heads, k_heads, v_heads = received.split([heads // cp_size, kv_heads // cp_size, kv_heads // cp_size], dim=2)
     if mask is None:
-        out = _causal_sdpa(q_heads, k_heads, v_heads)  # [batch, seq, heads / cp, head_dim]
+        out = _causal_sdpa(q_heads, k_heads, v_heads, scale)  # [batch, seq, heads / cp, head_dim]
     else:
-        out = masked_attention.attend(q_heads, k_heads, v_heads, mask.forms[WHOLE_ROW])
+        out = masked_attention.attend(q_heads, k_heads, v_heads, mask.forms[WHOLE_ROW], scale)
 
     out = out.index_select(1, rank_major).reshape(batch, cp_size, local_seq, heads // cp_size, head_dim)
     out = funcol.all_to_all_single_autograd(out.transpose(0, 1).contiguous(), None, None, group)
@@ -232,12 +234,13 @@ def _a2a_attention(q, k, v, group, cp_size: int, mask: AttentionMask | None = No
 
 
 def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str,
-                               mask: AttentionMask | None = None) -> torch.Tensor:
+                               mask: AttentionMask | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced queries over the whole sequence of the cp group.
 
     q [batch, local_seq, heads, head_dim], k and v [batch, local_seq, kv_heads, head_dim] hold this
-    rank's tokens in `shard_sequence` order; the output has q's layout. `mask` limits the keys (its
-    forms built for this method's `mask_sites` on this rank).
+    rank's tokens in `shard_sequence` order; v may have a head_dim of its own (MLA), which the
+    output has. `mask` limits the keys (its forms built for this method's `mask_sites` on this
+    rank); `scale` multiplies the scores (None: q's head_dim ** -0.5).
     method in ("allgather", "ring", "a2a"); raises models.errors.UserError for an unknown method
     and for a2a when heads or kv_heads are not divisible by cp."""
     if method not in CP_METHODS:
@@ -253,9 +256,19 @@ def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str
             f"local sequence length {q.shape[1]} is odd; the sequence must be a multiple of 2 x cp = {2 * cp_size}"
         )
     if cp_size == 1:  # one rank holds chunks 0 and 1: the sequence in its own order
-        return _causal_sdpa(q, k, v) if mask is None else masked_attention.attend(q, k, v, mask.forms[WHOLE_ROW])
+        if mask is not None:
+            return masked_attention.attend(q, k, v, mask.forms[WHOLE_ROW], scale)
+        return _causal_sdpa(q, k, v, scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # Every method moves K and V as one tensor and attends on kernels with one head dim: where V's
+    # differs (MLA), the smaller side is padded with zeros, which changes neither the scores nor
+    # the output's first value_dim dims (nor their gradients), and the output is cut back after.
+    value_dim, width = v.shape[-1], max(q.shape[-1], v.shape[-1])
+    q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     if method == "allgather":
-        return _allgather_attention(q, k, v, group, cp_size, mask)
-    if method == "a2a":
-        return _a2a_attention(q, k, v, group, cp_size, mask)
-    return ring_attention(q, k, v, group, forms=None if mask is None else mask.forms)
+        out = _allgather_attention(q, k, v, group, cp_size, scale, mask)
+    elif method == "a2a":
+        out = _a2a_attention(q, k, v, group, cp_size, scale, mask)
+    else:
+        out = ring_attention(q, k, v, group, forms=None if mask is None else mask.forms, scale=scale)
+    return out if value_dim == width else out[..., :value_dim]

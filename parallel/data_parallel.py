@@ -31,13 +31,14 @@ def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, poli
     edp, with dp_replicate in front for HSDP."""
     spec = plan.mesh_spec
     expert_dp_mesh = expert_mesh["dp_replicate", "edp"] if spec.dp_replicate > 1 else expert_mesh["edp"]
-    for block in model.blocks.values():
-        experts = getattr(getattr(block, "moe", None), "experts", None)
-        if experts is None:
-            continue
-        # Gathered when the block reads its parameters, and kept until the backward is over:
-        # the node has no tensor inputs, so FSDP reduces its gradients at the end of backward.
-        fully_shard(experts, mesh=expert_dp_mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+    for layer in model.transformer_layers():
+        for name, experts in layer.named_modules():
+            if name != "moe.experts" and not name.endswith(".moe.experts"):
+                continue
+            # Gathered when the block reads its parameters, and kept until the backward is over:
+            # the node has no tensor inputs, so FSDP reduces its gradients at the end of backward.
+            fully_shard(experts, mesh=expert_dp_mesh, mp_policy=policy, offload_policy=offload,
+                        reshard_after_forward=False)
 
 
 def expert_parameters(model_parts: list[ModelModule], plan: Plan) -> list[torch.Tensor]:
@@ -107,8 +108,13 @@ def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtyp
     resharded = blocks_to_reshard(list(model.blocks), plan, reshard_mode)
     for name, block in model.blocks.items():
         fully_shard(block, reshard_after_forward=name in resharded, **common)
+    if model.mtp is not None:
+        # Its parameters are its own; the ones it shares with the embedding and head stay with them.
+        # It runs last (and its backward first), so it keeps its gathered parameters, as the last block.
+        fully_shard(model.mtp, reshard_after_forward=reshard_mode == "always", **common)
     if not model.tied:
-        # Tied embedding and head share one parameter, so both stay in the root's group.
+        # Parameters another layer reads (a tied embedding and head, the weights multi-token
+        # prediction shares) stay in the root's group, gathered for the whole step.
         if model.embed is not None:
             # Freed after forward like the blocks, whenever any block is.
             fully_shard(model.embed, reshard_after_forward=bool(resharded), **common)

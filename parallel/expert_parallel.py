@@ -211,6 +211,20 @@ def choose_dispatch(choice: str, ep: int, top_k: int, dropless: bool) -> str:
     return "allgather" if dropless and ep <= top_k else "alltoall"
 
 
+def max_ranks_per_token(num_experts: int, ep: int, top_k: int, num_groups: int = 1, topk_groups: int = 1) -> int:
+    """The most ep ranks one token's experts can be on. Rank r holds experts r * E/ep ..; group g is
+    experts g * E/G ..; with group-limited routing a token's experts lie in topk_groups groups, so
+    the ranks those groups span bound it (DeepSeek-V3's node-limited routing: with groups of whole
+    ranks' experts, topk_groups ranks)."""
+    per_rank, per_group = num_experts // ep, num_experts // num_groups
+    bound = ep
+    if num_groups > 1:
+        spans = sorted((len({e // per_rank for e in range(g * per_group, (g + 1) * per_group)})
+                        for g in range(num_groups)), reverse=True)
+        bound = sum(spans[:topk_groups])
+    return min(bound, top_k, ep)
+
+
 def ep_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -58,14 +58,17 @@ def global_grad_norm(params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup
 @torch.no_grad()
 def clip_grads_(params: Iterable[torch.Tensor], max_norm: float,
                 pp_group: dist.ProcessGroup | None = None,
-                optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+                optimizer: torch.optim.Optimizer | None = None,
+                copies: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Scales gradients so their global norm is at most `max_norm` (0 disables); returns the norm
-    before clipping. No host synchronisation.
+    before clipping. No host synchronisation. `copies` (among `params`) are parameters another
+    pipeline stage holds too, with the same gradient: scaled, counted once in the norm.
 
     A fused Adam/AdamW `optimizer` takes the scale instead: its step divides every gradient by
     `grad_scale` as it reads it, which saves a pass over all gradients in memory."""
     params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params, pp_group)
+    copy_ids = {id(p) for p in copies}
+    norm = global_grad_norm([p for p in params if id(p) not in copy_ids], pp_group)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if optimizer is not None and optimizer.defaults.get("fused"):

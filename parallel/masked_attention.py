@@ -188,15 +188,17 @@ def _flex_block_mask(some, full, first_key, q_positions, k_positions, seq_length
 # Attention of one site.
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: MaskForm) -> torch.Tensor:
-    """Masked causal attention of [batch, seq, heads, head_dim] inputs (k/v may have fewer heads)."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: MaskForm,
+           scale: float | None = None) -> torch.Tensor:
+    """Masked causal attention of [batch, seq, heads, head_dim] inputs (k/v may have fewer heads);
+    `scale` multiplies the scores (None: head_dim ** -0.5)."""
     if form.kernel == "varlen":
-        return _varlen(q, k, v, form)
+        return _varlen(q, k, v, form, scale)
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
     if form.kernel == "flex":
-        return _flex(q_, k_, v_, form.block_mask).transpose(1, 2)
+        return _flex(q_, k_, v_, form.block_mask, scale=scale).transpose(1, 2)
     gqa = k.shape[2] != q.shape[2]
-    return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=form.dense, enable_gqa=gqa).transpose(1, 2)
+    return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=form.dense, enable_gqa=gqa, scale=scale).transpose(1, 2)
 
 
 @functools.cache
@@ -206,13 +208,13 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(q, k, v, block_mask, with_lse: bool = False):
+def _flex(q, k, v, block_mask, with_lse: bool = False, scale: float | None = None):
     """FlexAttention on [batch, heads, seq, head_dim]; compiled on GPUs (eager flex materialises the
     scores), eager on the CPU (forward only there)."""
     from torch.nn.attention import flex_attention as flex
 
     function = _compiled_flex() if q.is_cuda else flex.flex_attention
-    kwargs = dict(block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    kwargs = dict(block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1], scale=scale)
     if not with_lse:
         return function(q, k, v, **kwargs)
     if hasattr(flex, "AuxRequest"):
@@ -222,19 +224,26 @@ def _flex(q, k, v, block_mask, with_lse: bool = False):
 
 
 @torch.compiler.disable
-def _varlen(q, k, v, form: MaskForm) -> torch.Tensor:
+def _varlen(q, k, v, form: MaskForm, scale: float | None = None) -> torch.Tensor:
     """Outside compiled graphs: the longest document is a host integer that changes every micro-batch,
     and a graph would be specialised (and recompiled) on it."""
     batch, seq = q.shape[:2]
+    value_dim = v.shape[-1]
+    if value_dim < q.shape[-1]:  # MLA: flash's kernels want one head dim; zero values leave the output's first dims
+        v = F.pad(v, (0, q.shape[-1] - value_dim))
     q_, k_, v_ = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
     left = form.window - 1 if form.window is not None else -1
     cu, longest = form.cu_seqlens, form.max_seqlen
     flash = flash_attn_varlen()
     if flash is not None:
-        out = flash(q_, k_, v_, cu, cu, longest, longest, causal=True, window_size=(left, 0))
+        out = flash(q_, k_, v_, cu, cu, longest, longest, causal=True, window_size=(left, 0), softmax_scale=scale)
     else:
         function, params = _torch_varlen()
         kwargs = {}
+        if scale is not None and "scale" in params:
+            kwargs["scale"] = scale
+        elif scale is not None:  # a version without the keyword: the same scores from scaled queries
+            q_ = q_ * (scale * q.shape[-1] ** 0.5)
         if "window_size" in params:
             kwargs["window_size"] = (left, 0)
         else:
@@ -242,7 +251,7 @@ def _varlen(q, k, v, form: MaskForm) -> torch.Tensor:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = k.shape[2] != q.shape[2]
         out = function(q_, k_, v_, cu, cu, longest, longest, **kwargs)
-    return out.view(batch, seq, *out.shape[1:])
+    return out.view(batch, seq, *out.shape[1:])[..., :value_dim]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,29 +259,30 @@ def _varlen(q, k, v, form: MaskForm) -> torch.Tensor:
 # (parallel/attention_blocks.py has the same contract for the unmasked kernels).
 
 
-def block_forward(q, k, v, form: MaskForm) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q, k, v, form: MaskForm, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """out [batch, seq_q, heads, head_dim] in q's dtype and lse [batch, heads, seq_q] (fp32; -inf for
     a query that sees no key of the block, whose out is then 0)."""
     if form.kernel == "flex":
-        out, lse = _flex(*(t.transpose(1, 2) for t in (q, k, v)), form.block_mask, with_lse=True)
+        out, lse = _flex(*(t.transpose(1, 2) for t in (q, k, v)), form.block_mask, with_lse=True, scale=scale)
         return out.transpose(1, 2), lse.float()
-    scores = _masked_scores(q, k, form.dense)
+    scores = _masked_scores(q, k, form.dense, scale)
     lse = scores.logsumexp(dim=-1)
     probs = (scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1)).exp()
     out = probs @ to_kernel_layout(v, q.shape[2]).to(probs.dtype)
     return out.to(q.dtype).transpose(1, 2), lse
 
 
-def block_backward(grad_out, q, k, v, out, lse, form: MaskForm):
+def block_backward(grad_out, q, k, v, out, lse, form: MaskForm, scale: float | None = None):
     """dq [batch, seq_q, heads, head_dim], dk and dv [batch, seq_k, kv_heads, head_dim] of one block,
     given the final out and lse of the whole attention (fp32 for dk/dv under GQA)."""
     if form.kernel == "flex":
-        return _flex_block_backward(grad_out, q, k, v, out, lse, form.block_mask)
+        return _flex_block_backward(grad_out, q, k, v, out, lse, form.block_mask, scale)
     heads, kv_heads = q.shape[2], k.shape[2]
-    probs = (_masked_scores(q, k, form.dense) - lse.unsqueeze(-1)).exp()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    probs = (_masked_scores(q, k, form.dense, scale) - lse.unsqueeze(-1)).exp()
     grad_out_, out_, v_ = (to_kernel_layout(t, heads).to(probs.dtype) for t in (grad_out, out, v))
     delta = (grad_out_ * out_).sum(-1, keepdim=True)
-    grad_scores = probs * (grad_out_ @ v_.transpose(-1, -2) - delta) * q.shape[-1] ** -0.5
+    grad_scores = probs * (grad_out_ @ v_.transpose(-1, -2) - delta) * scale
     grad_q = (grad_scores @ to_kernel_layout(k, heads).to(probs.dtype)).transpose(1, 2)
     grad_k = (grad_scores.transpose(-1, -2) @ to_kernel_layout(q, heads).to(probs.dtype)).transpose(1, 2)
     grad_v = (probs.transpose(-1, -2) @ grad_out_).transpose(1, 2)
@@ -281,20 +291,21 @@ def block_backward(grad_out, q, k, v, out, lse, form: MaskForm):
     return grad_q.to(q.dtype), grad_k, grad_v
 
 
-def _masked_scores(q, k, dense: torch.Tensor) -> torch.Tensor:
+def _masked_scores(q, k, dense: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """[batch, heads, seq_q, seq_k] scaled scores in fp32 (or better), -inf where the mask hides a key."""
     heads = q.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
     scores = to_kernel_layout(q, heads).to(compute) @ to_kernel_layout(k, heads).to(compute).transpose(-1, -2)
-    return (scores * q.shape[-1] ** -0.5).masked_fill(~dense, float("-inf"))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return (scores * scale).masked_fill(~dense, float("-inf"))
 
 
-def _flex_block_backward(grad_out, q, k, v, out, lse, block_mask):
+def _flex_block_backward(grad_out, q, k, v, out, lse, block_mask, scale=None):
     """Recomputes the block with autograd and pulls back the merge: out = sum_b w_b out_b with
     w_b = exp(lse_b - lse) gives d out_b = w_b d out and d lse_b = w_b <d out, out_b - out>."""
     q_, k_, v_ = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
     with torch.enable_grad():
-        block_out, block_lse = _flex(q_, k_, v_, block_mask, with_lse=True)
+        block_out, block_lse = _flex(q_, k_, v_, block_mask, with_lse=True, scale=scale)
         weight = (block_lse.float() - lse).exp()
         grad = grad_out.transpose(1, 2).float()
         grad_block_lse = weight * (grad * (block_out.float() - out.transpose(1, 2).float())).sum(-1)

@@ -70,24 +70,32 @@ class LayerModule(nn.Module):
 
 
 class ModelModule(nn.Module):
-    """The layer sequence `embed`, `blocks` (keyed by layer index), `head`, or a contiguous part
-    of it (a pipeline stage: `embed` and `head` are then None where the stage lacks them).
+    """The layer sequence `embed`, `blocks` (keyed by layer index), `mtp` (multi-token prediction,
+    where the model has it), `head`, or a contiguous part of it (a pipeline stage: `embed`, `mtp`
+    and `head` are then None where the stage lacks them).
 
     As a pipeline stage, `forward(x, micro_batch=i)` takes the previous stage's plain local
-    activation and micro-batch i's `stage_auxes[i]` (the pipeline sets them for each step: RoPE
-    positions and attention masks differ between micro-batches), and returns the blocks' output as
-    a plain local tensor: the head and loss run in the schedule's loss function (`head_loss`)."""
+    activation and micro-batch i's aux from the `stage_aux(i)` the pipeline set (RoPE positions
+    and attention masks differ between micro-batches), and returns the blocks' output as a plain
+    local tensor: the MTP layer, the head and the loss run in the schedule's loss function
+    (`head_loss`), which has the micro-batch's labels. A stage may hold a copy of a layer another
+    stage runs (`Layer.run` False: the embedding, which the last stage's MTP layer shares),
+    registered under the same name so that checkpoints see one parameter."""
 
     def __init__(self, layers: list[spec.Layer], make_param: MakeParam, ctx: ModelContext):
         super().__init__()
         self.ctx = ctx
         self.specs = {f"{layer.name}.{path}": s for layer in layers for path, s in spec.flatten(layer.params)}
         modules = {layer.name: LayerModule(layer, make_param, ctx) for layer in layers}
+        self.copies = [layer.name for layer in layers if not layer.run]
+        assert set(self.copies) <= {"embed"}, self.copies
         self.embed = modules.pop("embed", None)
         self.head = modules.pop("head", None)
+        self.mtp = modules.pop("mtp", None)
         self.blocks = nn.ModuleDict({name.split(".", 1)[1]: m for name, m in modules.items()})
+        self.runs_embedding = self.embed is not None and not self.copies
         self.pipelined = False
-        self.stage_auxes: list[Any] = []
+        self.stage_aux: Callable[[int], Any] | None = None  # a pipeline stage's aux by micro-batch, one per call
         for layer in layers:
             for path, source in layer.tied.items():
                 owner_name, param_name = source.rsplit(".", 1)
@@ -99,15 +107,20 @@ class ModelModule(nn.Module):
 
     @property
     def tied(self) -> bool:
-        return self.head is not None and bool(self.head.tied_sources)
+        """Whether some layer reads another's parameters (which must then be gathered throughout)."""
+        return any(m is not None and m.tied_sources for m in (self.head, self.mtp))
+
+    def transformer_layers(self) -> list[LayerModule]:
+        """The layers that run transformer blocks: the blocks, and the MTP layer."""
+        return [*self.blocks.values(), *([self.mtp] if self.mtp is not None else [])]
 
     def forward(self, x: torch.Tensor, aux: Any = None, micro_batch: torch.Tensor | None = None) -> torch.Tensor:
         if aux is None:
             # The schedule hands each stage its micro-batch's slice of a host index tensor; shape
             # inference may run the stage on a placeholder of it, for which any micro-batch will do.
             index = 0 if micro_batch is None or micro_batch.device.type == "meta" else int(micro_batch)
-            aux = self.stage_auxes[index]
-        if self.embed is not None:
+            aux = self.stage_aux(index)
+        if self.runs_embedding:
             x = self.embed(x, aux)
         else:
             x = self.ctx.constrain(x, RESIDUAL, "residual")  # from the previous stage
@@ -115,8 +128,15 @@ class ModelModule(nn.Module):
             x = block(x, aux)
         if self.pipelined:
             return x.to_local() if hasattr(x, "to_local") else x
-        return self.head(x, aux)
+        return self._head(x, aux)
 
     def head_loss(self, x: torch.Tensor, aux: Any) -> torch.Tensor:
-        """The last pipeline stage's head and loss on its blocks' (plain) output."""
-        return self.head(self.ctx.constrain(x, RESIDUAL, "residual"), aux)
+        """The last pipeline stage's MTP layer, head and loss on its blocks' (plain) output."""
+        return self._head(self.ctx.constrain(x, RESIDUAL, "residual"), aux)
+
+    def _head(self, x: torch.Tensor, aux: Any) -> torch.Tensor:
+        loss = self.head(x, aux)
+        if self.mtp is not None:
+            # Zero in value (the loss stays the next-token loss), with the MTP losses' gradient.
+            loss = loss + self.mtp(x, aux)
+        return loss

@@ -47,7 +47,7 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
         return nn.Parameter(value, requires_grad=param.trainable)
 
     model = ModelModule(layers, make_param, ctx)
-    fp8_modules = [b for b in model.blocks.values() if b.layer_name in fp8_layers]
+    fp8_modules = [b for b in model.transformer_layers() if b.layer_name in fp8_layers]
     if fp8_head and model.head is not None:
         fp8_modules.append(model.head)
     if fp8_linear is not None and fp8_modules:
@@ -57,7 +57,7 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
         for module in fp8_modules:
             module.ctx = ctx.with_fp8(layer_fp8[module.layer_name])
             module.forward_fn = layer_fp8[module.layer_name].wrap_forward(module.forward_fn)
-    for block in model.blocks.values():
+    for block in model.transformer_layers():
         mode = "full" if block.layer_name in full_recompute else recompute_mode
         block.forward_fn = recompute.wrap(block.forward_fn, mode)
         if compile_blocks:

@@ -11,10 +11,12 @@ the embedding always goes with the first stage and the head with the last.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -24,6 +26,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from models import spec
 from models.errors import UserError
@@ -156,24 +159,90 @@ def bubble_fraction(schedule: str, pp: int, virtual: int, num_microbatches: int)
 
 
 def stage_layers(layers: list[spec.Layer], counts: list[int], stage: int) -> list[spec.Layer]:
-    """The layers of one stage: its blocks, with the embedding first / the head last."""
+    """The layers of one stage: its blocks, with the embedding first / the layers after the blocks
+    (multi-token prediction, the head) last; and a copy (`Layer.run` False) of any layer another
+    stage runs whose parameters this stage's layers share (the embedding, for the MTP layer)."""
     blocks = [layer for layer in layers if layer.name.startswith("blocks.")]
     start = sum(counts[:stage])
     chosen = blocks[start:start + counts[stage]]
     if stage == 0:
         chosen = [layers[0], *chosen]
     if stage == len(counts) - 1:
-        chosen = [*chosen, layers[-1]]
-    return chosen
+        chosen = [*chosen, *layers[layers.index(blocks[-1]) + 1:]]
+    held = {layer.name for layer in chosen}
+    shared = {source.rsplit(".", 1)[0] for layer in chosen for source in layer.tied.values()}
+    return chosen + [attrs.evolve(layer, run=False) for layer in layers if layer.name in shared - held]
 
 
 def layer_costs(layers: list[spec.Layer]) -> tuple[float, float]:
-    """Embedding and head cost in blocks, by matmul parameters (the lookup costs little)."""
+    """Embedding and last-stage (MTP and head) cost in blocks, by matmul parameters (the lookup
+    costs little); a shared output projection counts for each layer that runs it."""
     def matmul_params(layer: spec.Layer) -> int:
         return sum(math.prod(s.shape) for _, s in spec.flatten(layer.params) if len(s.shape) >= 2)
 
-    block = matmul_params(layers[1])
-    return 0.0, matmul_params(layers[-1]) / block
+    specs = {f"{layer.name}.{path}": s for layer in layers for path, s in spec.flatten(layer.params)}
+    blocks = [layer for layer in layers if layer.name.startswith("blocks.")]
+    tail = layers[layers.index(blocks[-1]) + 1:]
+    block = sum(map(matmul_params, blocks)) / len(blocks)
+    shared_outputs = sum(math.prod(specs[source].shape) for layer in tail for path, source in layer.tied.items()
+                         if path == "output")
+    return 0.0, (sum(map(matmul_params, tail)) + shared_outputs) / block
+
+
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    """The pp rank that runs `stage` (the inverse of `stage_ids`)."""
+    if schedule in V_SHAPED and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
+
+
+class TiedCopies:
+    """Parameters that two pipeline stages hold (the embedding, which the last stage's MTP layer
+    reads), as Megatron shares its embedding between the first and last stage: after backward each
+    copy's gradient becomes the sum of both, so the same optimizer step keeps them equal; the
+    gradient norm counts one of them (`copies` lists the other)."""
+
+    def __init__(self, layers: list[spec.Layer], counts: list[int], parts, mesh, schedule: str):
+        pp = mesh.size(mesh.mesh_dim_names.index("pp"))
+        runs = {layer.name: stage for stage in range(len(counts))
+                for layer in stage_layers(layers, counts, stage) if layer.run}
+        # parameter -> the pp ranks of its owner's stage and of the stage that reads it
+        ranks = {source: tuple(sorted({stage_rank(runs[source.rsplit(".", 1)[0]], pp, schedule),
+                                       stage_rank(runs[layer.name], pp, schedule)}))
+                 for layer in layers for source in layer.tied.values()
+                 if runs[source.rsplit(".", 1)[0]] != runs[layer.name]}
+        self.params = {name: [p for part in parts for n, p in part.named_parameters() if n == name] for name in ranks}
+        self.copies = [p for part in parts for n, p in part.named_parameters()
+                       if n in ranks and n.split(".", 1)[0] in part.copies]
+        self.groups = {name: self._group(mesh, pp, pair) for name, pair in ranks.items()}
+
+    @staticmethod
+    def _group(mesh, pp: int, pp_ranks: tuple[int, ...]):
+        """This rank's group of the ranks along pp at `pp_ranks` (None where both are this rank)."""
+        if len(pp_ranks) == 1:
+            return None
+        if pp == 2:
+            return mesh.get_group("pp")
+        mine = None
+        # Every rank creates every line's group, in the same order, as new_group requires.
+        for line in mesh.mesh.reshape(pp, -1).t().tolist():
+            group = dist.new_group([line[r] for r in pp_ranks])
+            if dist.get_rank() in (line[r] for r in pp_ranks):
+                mine = group
+        return mine
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        """After backward (and FSDP's reduction), before clipping."""
+        for name, params in self.params.items():
+            if not params:  # a stage between the two
+                continue
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+            total = torch.stack(grads).sum(0)
+            if self.groups[name] is not None:
+                dist.all_reduce(total, group=self.groups[name])
+            for grad in grads:
+                grad.copy_(total)
 
 
 def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches: int, loss_fn):
@@ -219,22 +288,32 @@ class PipelineRunner:
     """Drives this rank's stages through one schedule step per optimizer step."""
 
     def __init__(self, parts, stage_indices: list[int], num_stages: int, schedule: str,
-                 num_microbatches: int, device, group, loss_scale: float):
+                 num_microbatches: int, device, group, loss_scale: float, with_targets=None):
+        """`with_targets(aux, target)`: the micro-batch's aux for one micro-batch's part of the
+        `labels` given to `step` (default: those are the labels). Targets that are not plain labels
+        (multi-token prediction's tokens ahead) travel packed in that one tensor, which the schedule
+        splits into micro-batches."""
         self.parts = parts
         self.has_first = 0 in stage_indices
         self.has_last = num_stages - 1 in stage_indices
         last = parts[stage_indices.index(num_stages - 1)] if self.has_last else None
-        self.num_microbatches = num_microbatches
-        self.head_aux = None
+        self.auxes: list = []
+        self.last_index = None if last is None else parts.index(last)
+        self.last_micro_batch = 0  # of the last stage's latest forward, whose loss comes next
+        with_targets = with_targets or (lambda aux, labels: attrs.evolve(aux, labels=labels))
         for part in parts:
             part.pipelined = True
 
         def loss_fn(hidden, labels):
-            # Runs on the last stage: head, loss, and the scale to the global batch. The head reads
-            # nothing of its micro-batch but the labels the schedule hands it.
-            return last.head_loss(hidden, attrs.evolve(self.head_aux, labels=labels)) * self.loss_scale
+            # Runs on the last stage, right after its forward of the same micro-batch: MTP (whose
+            # block reads that micro-batch's positions and mask), head, loss, and the scale to the
+            # global batch.
+            aux = self._call_aux("loss", self.last_micro_batch)
+            return last.head_loss(hidden, with_targets(aux, labels)) * self.loss_scale
 
         self.loss_scale = loss_scale
+        self.num_microbatches = num_microbatches
+        self._calls: dict = {}
         self.stages = [PipelineStage(module, index, num_stages, device, group=group)
                        for module, index in zip(parts, stage_indices)]
         self.schedule = build_schedule(self.stages, schedule, num_microbatches, loss_fn)
@@ -257,9 +336,9 @@ class PipelineRunner:
 
     def _run(self, run, inputs, labels, auxes: list) -> torch.Tensor:
         assert len(auxes) == self.num_microbatches, (len(auxes), self.num_microbatches)
-        self.head_aux = auxes[0]
-        for part in self.parts:
-            part.stage_auxes = auxes
+        self.auxes, self._calls = auxes, {}
+        for index, part in enumerate(self.parts):
+            part.stage_aux = functools.partial(self._call_aux, index)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         target = labels if self.has_last else None
@@ -267,6 +346,29 @@ class PipelineRunner:
         # the micro-batch a stage runs, so that it reads that micro-batch's aux.
         micro_batch = torch.arange(self.num_microbatches)
         run(*args, target=target, losses=losses, micro_batch=micro_batch)
+        self._count_last_calls()
         if not losses:
             return torch.zeros((), device=labels.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum() / self.loss_scale
+
+    def _call_aux(self, key, micro_batch: int):
+        """Micro-batch `micro_batch`'s aux for one call of a stage (or of the loss function), with
+        statistics sinks (router and MTP statistics) of its own. torch's stages run a first
+        micro-batch once more before the schedule to learn its shapes (at the first step, and after
+        each switch between training and evaluation; torch 2.13 on uninitialised activations): only
+        the schedule's calls may count, which are the last `num_microbatches` calls of each stage
+        (`_count_last_calls`)."""
+        aux = self.auxes[micro_batch]
+        if key == self.last_index:
+            self.last_micro_batch = micro_batch
+        sinks = {f.name: value.fresh() for f in attrs.fields(type(aux))
+                 if hasattr(value := getattr(aux, f.name), "absorb")}
+        self._calls.setdefault(key, []).append(sinks)
+        return attrs.evolve(aux, **sinks)
+
+    def _count_last_calls(self) -> None:
+        # Every micro-batch's aux shares the step's statistics objects (evolved from one aux).
+        for calls in self._calls.values():
+            for sinks in calls[-self.num_microbatches:]:
+                for name, sink in sinks.items():
+                    getattr(self.auxes[0], name).absorb(sink)

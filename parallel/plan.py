@@ -34,6 +34,8 @@ DEFAULT_PARAM_RULES: dict[str, MeshAxes] = {
     "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp", "embed": None,
     # Expert parallelism: whole experts per rank over ep; the router stays whole on every rank.
     "expert": "ep", "expert_mlp": None, "router": None,
+    # MLA's latent projections and norms: small, and needed whole by every head.
+    "latent": None,
 }
 
 # Activation layouts per region of the forward. Axes not named stay unsplit (over tp and cp);

@@ -58,7 +58,7 @@ class _RingAttention(torch.autograd.Function):
     K and V travel stacked as one [2, batch, seq, kv_heads, head_dim] tensor (only the kv heads)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, kernel, forms):
+    def forward(ctx, q, k, v, group, kernel, forms, scale):
         ring, rank, cp_size = _RingShift(group), dist.get_rank(group), dist.get_world_size(group)
         half = q.shape[1] // 2
         kv = torch.stack([k, v])
@@ -66,8 +66,8 @@ class _RingAttention(torch.autograd.Function):
 
         def attend(step, q, k, v, causal):
             if forms is None:
-                return block_attention(kernel, q, k, v, causal)
-            return (*masked_attention.block_forward(q, k, v, forms[ring_site(step)]), None)
+                return block_attention(kernel, q, k, v, causal, scale)
+            return (*masked_attention.block_forward(q, k, v, forms[ring_site(step)], scale), None)
 
         for step in range(cp_size):
             source = (rank - step) % cp_size
@@ -89,7 +89,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = ring.finish(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.kernel, ctx.state, ctx.forms = group, kernel, state, forms
+        ctx.group, ctx.kernel, ctx.state, ctx.forms, ctx.scale = group, kernel, state, forms, scale
         return out
 
     @staticmethod
@@ -102,7 +102,7 @@ class _RingAttention(torch.autograd.Function):
 
         def block_backward(grad_out, q, k, v, out, lse, causal):
             if forms is not None:
-                return masked_attention.block_backward(grad_out, q, k, v, out, lse, forms[ring_site(step)])
+                return masked_attention.block_backward(grad_out, q, k, v, out, lse, forms[ring_site(step)], ctx.scale)
             return block_attention_backward(ctx.kernel, grad_out, q, k, v, out, lse, causal, ctx.state)
 
         grad_q = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
@@ -142,18 +142,19 @@ class _RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 kv = ring.finish(pending_kv)
         grad_k, grad_v = ring.finish(pending_grad_kv)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q, k, v, group: dist.ProcessGroup, *, kernel: str | None = None,
-                   forms: dict | None = None) -> torch.Tensor:
+                   forms: dict | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced queries over the whole sequence, by the ring.
 
     q [batch, local_seq, heads, head_dim], k and v [batch, local_seq, kv_heads, head_dim] in
     `shard_sequence` order, local_seq even. kernel: one of BLOCK_KERNELS, or None for
     `choose_block_kernel(q)`; cuDNN and flash need CUDA, fp16/bf16 and a supported head_dim.
-    forms: a mask's forms by `ring_site(step)`, for attention within documents or a window."""
+    forms: a mask's forms by `ring_site(step)`, for attention within documents or a window. `scale`
+    multiplies the scores (None: head_dim ** -0.5)."""
     kernel = kernel or choose_block_kernel(q)
     if kernel not in BLOCK_KERNELS:
         raise ValueError(f"unknown ring attention block kernel {kernel!r}; use one of {', '.join(BLOCK_KERNELS)}")
-    return _RingAttention.apply(q, k, v, group, kernel, forms)
+    return _RingAttention.apply(q, k, v, group, kernel, forms, scale)

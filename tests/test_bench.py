@@ -99,7 +99,12 @@ def test_every_suite_setup_is_a_valid_command():
     from tools import bench_suite
     from tools.bench import SHAPES
 
+    from tools.bench_attention import SETUPS
+
     for name, (_, bench_args) in bench_suite.SUITE.items():
+        if "--attention" in bench_args:
+            assert bench_args[bench_args.index("--attention") + 1] in (*SETUPS, "all"), name
+            continue
         shape = bench_args[bench_args.index("--shape") + 1]
         dtrain_flags = bench_args[bench_args.index("--") + 1:]
         load_config([*SHAPES[shape], *dtrain_flags])  # raises on an unknown flag or choice

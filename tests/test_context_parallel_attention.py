@@ -51,9 +51,9 @@ def spawned_results(tmp_path_factory):
 def _expected_runs(cp: int) -> list[str]:
     runs = []
     shapes = {**cp_attention.CASES, **{f"masked_{name}": case[0] for name, case in cp_attention.MASKED_CASES.items()}}
-    for name, (_, _, heads, kv_heads, _) in shapes.items():
+    for name, case in shapes.items():
         for method in CP_METHODS:
-            if method != "a2a" or (heads % cp == 0 and kv_heads % cp == 0):
+            if method != "a2a" or (case.heads % cp == 0 and case.kv_heads % cp == 0):
                 runs.append(f"{name}/{method}")
     return runs
 
@@ -227,7 +227,9 @@ def test_ring_block_kernel_choice():
 # On 2 GPUs (NCCL): the ring in bf16 with each fused kernel forced, and every method with the
 # automatic choice, against full fp32 attention.
 
-GPU_CASES = {"gqa": (2, 2048, 8, 2, 128), "mha": (1, 1024, 4, 4, 64)}  # batch, seq, heads, kv_heads, head_dim
+GPU_CASES = {"gqa": cp_attention.Case(2, 2048, 8, 2, 128), "mha": cp_attention.Case(1, 1024, 4, 4, 64),
+             # DeepSeek's head dims (128 + 64 rotary for q/k, 128 for v) and a YaRN-scaled softmax.
+             "mla": cp_attention.Case(1, 2048, 8, 8, 192, v_head_dim=128, scale=0.135)}
 GPU_RUNS = {  # name -> (method, ring kernel or None for the automatic choice, dtype, relative error bound)
     "cudnn": ("ring", "cudnn", torch.bfloat16, 2e-2),
     "flash": ("ring", "flash", torch.bfloat16, 2e-2),
@@ -250,19 +252,21 @@ def _gpu_ring_worker(rank: int, out_dir: str) -> None:
     results: dict[str, dict] = {}
     try:
         for seed, (case, shape) in enumerate(GPU_CASES.items()):
-            q, k, v, grad = cp_attention._random_inputs(*shape, seed, device, torch.float32)
+            q, k, v, grad = cp_attention._random_inputs(shape, seed, device, torch.float32)
             for run, (method, kernel, dtype, _) in GPU_RUNS.items():
+                if kernel is not None and shape.v_head_dim is not None:
+                    continue  # values of their own head dim go through context_parallel_attention's choice
                 # The reference is fp32 math attention of the same dtype-rounded inputs, on one GPU.
                 full = [t.to(dtype).to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]
                 with sdpa_kernel(SDPBackend.MATH):
-                    reference = causal_attention(*full)
+                    reference = causal_attention(*full, scale=shape.scale)
                 reference.backward(grad.to(dtype).float())
                 expected = {"out": reference.detach(), "dq": full[0].grad, "dk": full[1].grad, "dv": full[2].grad}
                 local = [shard_sequence(t.to(dtype), 2, rank).requires_grad_() for t in (q, k, v)]
-                if method == "ring":
-                    out = ring.ring_attention(*local, group, kernel=kernel)
+                if kernel is not None:
+                    out = ring.ring_attention(*local, group, kernel=kernel, scale=shape.scale)
                 else:
-                    out = context_parallel_attention(*local, group=group, method=method)
+                    out = context_parallel_attention(*local, group=group, method=method, scale=shape.scale)
                 out.backward(shard_sequence(grad.to(dtype), 2, rank))
                 actual = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
                 expected = {name: shard_sequence(t, 2, rank) for name, t in expected.items()}

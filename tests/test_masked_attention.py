@@ -159,18 +159,27 @@ def test_varlen_call_fits_this_torch():
     form = masked.MaskForm("varlen", False, cu_seqlens=form.cu_seqlens.to("meta"), max_seqlen=form.max_seqlen,
                            window=4)
     assert masked.attend(q, k, k, form).shape == q.shape
+    # MLA: values of a smaller head dim (padded for the kernel, cut back after) and a scale of its own.
+    v = torch.empty(2, 16, 2, 48, device="meta", dtype=torch.bfloat16)
+    assert masked.attend(q, k, v, form, scale=0.1).shape == (2, 16, 8, 48)
 
 
 # ---------------------------------------------------------------------------------------------
 # One GPU: every kernel forward and backward in bf16 against fp32 dense attention.
 
 
+# q/k heads and head dim, v heads and head dim, softmax scale: GQA, and MLA's head dims and scale.
+HEADS = {"gqa": (8, 128, 2, 128, None), "mla": (8, 192, 8, 128, 0.135)}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["flex", "varlen"])
 @pytest.mark.parametrize("mask", MASKS)
-def test_gpu_kernels_match_dense_attention(kernel, mask):
+@pytest.mark.parametrize("heads", HEADS)
+def test_gpu_kernels_match_dense_attention(kernel, mask, heads):
     if kernel == "varlen" and not masked.varlen_available(MASKS[mask][1]):
         pytest.skip("no variable-length attention with a window in this torch")
+    num_heads, qk_dim, kv_heads, v_dim, scale = HEADS[heads]
     cuda = torch.device("cuda")
     lengths, window = MASKS[mask]
     ids = document_ids_of(lengths).repeat_interleave(32, dim=1)  # seq 2048
@@ -178,18 +187,21 @@ def test_gpu_kernels_match_dense_attention(kernel, mask):
     first = masking.first_keys(ids, window)
     positions = torch.arange(ids.shape[1])
     generator = torch.Generator().manual_seed(2)
-    q, grad = (torch.randn(2, 2048, 8, 128, generator=generator).to(cuda) for _ in range(2))
-    k, v = (torch.randn(2, 2048, 2, 128, generator=generator).to(cuda) for _ in range(2))
+    q = torch.randn(2, 2048, num_heads, qk_dim, generator=generator).to(cuda)
+    grad = torch.randn(2, 2048, num_heads, v_dim, generator=generator).to(cuda)
+    k = torch.randn(2, 2048, kv_heads, qk_dim, generator=generator).to(cuda)
+    v = torch.randn(2, 2048, kv_heads, v_dim, generator=generator).to(cuda)
     inputs = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
     reference = [t.detach().float().requires_grad_() for t in inputs]
-    out = masked.attend(*inputs, masked.build_form(kernel, ids, first, positions, positions, window, cuda))
-    expected = masked.attend(*reference, masked.build_form("dense", ids, first, positions, positions, window, cuda))
+    out = masked.attend(*inputs, masked.build_form(kernel, ids, first, positions, positions, window, cuda), scale)
+    expected = masked.attend(*reference, masked.build_form("dense", ids, first, positions, positions, window, cuda),
+                             scale)
     out.backward(grad.to(torch.bfloat16))
     expected.backward(grad)
     for name, a, e in [("out", out, expected), *zip(("dq", "dk", "dv"), (t.grad for t in inputs),
                                                     (t.grad for t in reference))]:
         error = ((a.float() - e).norm() / e.norm()).item()
-        assert error < 2e-2, f"{kernel} {mask} {name}: {error:.2e}"
+        assert error < 2e-2, f"{kernel} {mask} {heads} {name}: {error:.2e}"
 
 
 @pytest.mark.gpu

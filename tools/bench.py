@@ -10,6 +10,9 @@ also has `mfu_document_attention_pct`, the MFU of the attention the documents ne
 `--table FILE` renders the JSON lines of FILE as a markdown table instead, and with
 `--readme README.md` writes it between the README's benchmark markers.
 
+`--attention SETUP|all` times attention sub-blocks alone instead, llama-1b's GQA beside DeepSeek's
+MLA (tools/bench_attention.py).
+
 `--bubble FILE` measures pipeline bubbles from the JSON lines of FILE: two runs of the same
 pipelined setup with m and 2m micro-batches per step give the time of one micro-batch,
 t = (T(2m) - T(m)) / m, and the bubble of the m-run is 1 - m*t / T(m) (everything that does not
@@ -35,6 +38,10 @@ SHAPES = {
     "llama-3b": ["--model", "llama3.2-3b", "--seq-len", "8192", "--micro-batch", "1"],
     "llama-8b": ["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1"],
     "mixtral-small": ["--model", "mixtral-small", "--seq-len", "4096", "--micro-batch", "2"],
+    # 15.7B parameters: fp32 master weights and AdamW (16 bytes/param) are ~126 GB per GPU over two,
+    # which leaves little of an H200 for activations; `--model-overrides num_layers=14` keeps the
+    # shape of each layer at half the depth.
+    "deepseek-v2-lite": ["--model", "deepseek-v2-lite", "--seq-len", "4096", "--micro-batch", "1"],
     "tiny": ["--model", "tiny", "--seq-len", "256", "--micro-batch", "4"],
 }
 
@@ -262,7 +269,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the measured pipeline bubbles of the runs in a JSON-lines file and exit")
     parser.add_argument("--readme", type=Path, help="with --table or --bubble: also write the table into this "
                         "file, between its markers (see README_MARKERS)")
+    parser.add_argument("--attention", metavar="SETUP", help="time attention sub-blocks alone, forward + backward: "
+                        "one of the setups of tools/bench_attention.py, or all; then exit")
+    parser.add_argument("--attention-batch", type=int, default=4)
+    parser.add_argument("--attention-seq-len", type=int, default=4096)
+    parser.add_argument("--compile", action="store_true", help="with --attention: compile each sub-block")
     args = parser.parse_args(argv)
+    if args.attention:
+        from tools import bench_attention
+
+        names = list(bench_attention.SETUPS) if args.attention == "all" else [args.attention]
+        unknown = [name for name in names if name not in bench_attention.SETUPS]
+        if unknown:
+            parser.error(f"--attention {unknown[0]}: choose one of {', '.join(bench_attention.SETUPS)} or all")
+        bench_attention.run(names, args.attention_batch, args.attention_seq_len, args.steps, args.compile)
+        return 0
     for kind, source, render in (("table", args.table, table), ("bubble", args.bubble, bubbles)):
         if source:
             rendered = render(source)

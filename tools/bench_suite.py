@@ -36,6 +36,11 @@ _MOE_OPTIONS = {"": [], " reduce-once": ["--fsdp-reduce-once"],
                 " reduce-once no-reshard": ["--fsdp-reduce-once", "--fsdp-reshard-after-forward", "never"]}
 _MOE_ROUTING = {"": [], " balanced": ["--model-overrides", "force_load_balance=true"]}
 
+def _overrides(*groups: list[str]) -> list[str]:
+    items = [item for group in groups for item in group]
+    return ["--model-overrides", ",".join(items)] if items else []
+
+
 SUITE: dict[str, tuple[int, list[str]]] = {
     "cpu tiny": (1, ["--shape", "tiny", "--steps", "3", "--warmup", "1", "--", "--precision", "fp32"]),
     "llama-1b single": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile"]),
@@ -94,6 +99,21 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                                                       *mesh_args, "--global-batch", "16", *options, *balance])
        for mesh, mesh_args in _MOE_MESHES.items() for name, options in _MOE_OPTIONS.items()
        for routing, balance in _MOE_ROUTING.items()},
+    # DeepSeek-V2-Lite (MLA, 64 fine-grained experts top-6, 2 shared) on ep=2: half its depth without
+    # activation recompute, and all 27 layers with it (the optimizer states alone take ~126 GB a GPU).
+    **{f"deepseek-v2-lite dp=2,ep=2{depth}{routing}": (2, ["--shape", "deepseek-v2-lite", *STEPS, "--", "--compile",
+                                                          "--mesh", "dp=2,ep=2", "--global-batch", "16", *options,
+                                                          *_overrides(depth_overrides, balance)])
+       for depth, depth_overrides, options in ((" layers=14", ["num_layers=14"], ["--micro-batch", "2"]),
+                                               ("", [], ["--recompute", "full"]))
+       for routing, balance in (("", []), (" balanced", ["force_load_balance=true"]))},
+    # MLA within packed documents (its value head dim on the masked kernels).
+    "deepseek-v2-lite dp=2,ep=2 layers=14 documents": (2, ["--shape", "deepseek-v2-lite", *STEPS, "--", "--compile",
+                                                           "--mesh", "dp=2,ep=2", "--global-batch", "16",
+                                                           "--micro-batch", "2", *_overrides(["num_layers=14"]),
+                                                           *DOCUMENTS, "2048"]),
+    # Attention sub-blocks alone: llama-1b's GQA beside DeepSeek's MLA (to attention.jsonl beside --out).
+    "attention gqa and mla": (1, ["--attention", "all", "--compile", "--steps", "20"]),
 }
 
 
@@ -133,6 +153,12 @@ def run_suite(names: list[str], out: Path, budget: float, timeout: float) -> lis
         if result.returncode != 0 or not lines:
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
             outcomes.append((name, f"failed (exit {result.returncode}): {last[:200]}"))
+            continue
+        if json.loads(lines[-1]).get("kind") == "attention":
+            with out.with_name("attention.jsonl").open("a") as f:
+                f.write("".join(line + "\n" for line in lines))
+            rows = [json.loads(line) for line in lines]
+            outcomes.append((name, "; ".join(f"{r['setup']} {r['model_tflops']} TFLOP/s" for r in rows)))
             continue
         with out.open("a") as f:
             f.write(lines[-1] + "\n")

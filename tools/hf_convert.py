@@ -1,4 +1,4 @@
-"""Hugging Face Llama and Mixtral checkpoints <-> dtrain checkpoints.
+"""Hugging Face Llama, Mixtral and DeepSeek-V3 checkpoints <-> dtrain checkpoints.
 
     python -m tools.hf_convert import HF_DIR RUN_DIR/checkpoints/step_000000
     python -m tools.hf_convert export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype bf16]
@@ -8,7 +8,7 @@ step, so nothing is lost): `--resume` from it on any mesh, and each rank reads o
 which `--init-from-hf` (every rank reads every full tensor) cannot do for the largest models.
 `export` writes safetensors (sharded above --max-shard-gb, with an index) and config.json; Mixtral
 experts in the hub's layout, one tensor per expert. A round trip HF -> dtrain -> HF with the
-source's dtype gives the same tensors bit for bit.
+source's dtype gives the same tensors bit for bit (DeepSeek-V3: in DeepSeek's layout, MTP module included).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from dtrain.checkpoint import storage as ckpt
 from dtrain.interop import hf
-from models.config import LlamaConfig, MoEConfig, RopeScaling
+from models.config import DeepSeekConfig, LlamaConfig, MoEConfig, RopeScaling, YarnScaling
 from models.errors import UserError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,16 +69,17 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
-def _model_config(shape: dict[str, Any]) -> LlamaConfig | MoEConfig:
+def _model_config(shape: dict[str, Any]) -> LlamaConfig | MoEConfig | DeepSeekConfig:
     shape = dict(shape)
-    if shape.get("rope_scaling") is not None:
-        shape["rope_scaling"] = RopeScaling(**shape["rope_scaling"])
-    kind = MoEConfig if "num_experts" in shape else LlamaConfig
+    scaling = shape.get("rope_scaling")
+    if scaling is not None:
+        shape["rope_scaling"] = (YarnScaling if "beta_fast" in scaling else RopeScaling)(**scaling)
+    kind = DeepSeekConfig if "kv_lora_rank" in shape else MoEConfig if "num_experts" in shape else LlamaConfig
     try:
         return kind(**shape)
     except TypeError:
-        raise UserError(f"a checkpoint of model shape {sorted(shape)} is neither a Llama nor an MoE model; "
-                        f"it cannot be exported") from None
+        raise UserError(f"a checkpoint of model shape {sorted(shape)} is neither a Llama, an MoE nor a DeepSeek "
+                        f"model; it cannot be exported") from None
 
 
 def _find_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], LlamaConfig | MoEConfig]:

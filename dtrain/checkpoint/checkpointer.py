@@ -183,9 +183,13 @@ class Checkpointer:
         start = time.perf_counter()
         source = hf.HFCheckpoint(hf_path)
         hf.check_matches(source.config, self.model_cfg, self.config.model.model, hf_path)
+        fresh = [name for name, _ in self.model.named_parameters() if name.startswith("mtp.") and name not in source.shapes]
+        if fresh:
+            logger.info("--init-from-hf: %s has no multi-token prediction weights; the MTP modules start "
+                        "from their initialisation", hf_path)
         for name, param in self.model.named_parameters():
-            if name.endswith(".moe.router_bias") and name not in source.shapes:
-                continue  # none in HF: stays 0
+            if name.endswith(".moe.router_bias") and name not in source.shapes or name in fresh:
+                continue  # none in HF: the bias stays 0, MTP modules keep their initial values
             full = source.tensor(name).to(param.device, torch.float32)
             if tuple(full.shape) != tuple(param.shape):
                 raise UserError(f"--init-from-hf {hf_path}: {name} has shape {list(full.shape)}, the model "

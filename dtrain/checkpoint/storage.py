@@ -117,9 +117,11 @@ def model_shape(cfg: LlamaConfig) -> dict[str, Any]:
     return attrs.asdict(cfg)
 
 
-def shape_difference(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The fields that change parameter shapes or the forward math (init_std does neither)."""
-    return [key for key in current if key != "init_std" and saved.get(key) != current[key]]
+def shape_difference(saved: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
+    """The fields that change parameter shapes or the forward math (init_std does neither). A field
+    an older checkpoint lacks (added since) counts as its default, from `defaults`."""
+    defaults = defaults or {}
+    return [key for key in current if key != "init_std" and saved.get(key, defaults.get(key)) != current[key]]
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -156,7 +158,8 @@ def check_checkpoint(path: Path, model_cfg: LlamaConfig, param_shapes: dict[str,
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}; resume from an "
                                 f"earlier checkpoint")
     current = model_shape(model_cfg)
-    differ = shape_difference(meta.get("model", {}), current)
+    defaults = {f.name: f.default for f in attrs.fields(type(model_cfg)) if f.default is not attrs.NOTHING}
+    differ = shape_difference(meta.get("model", {}), current, defaults)
     if differ:
         saved = ",".join(f"{k}={meta.get('model', {}).get(k)}" for k in differ)
         now = ",".join(f"{k}={current[k]}" for k in differ)

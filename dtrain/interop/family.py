@@ -55,11 +55,14 @@ def map_name(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
 class Piece:
     """Where (part of) a dtrain parameter lies in an HF checkpoint: a whole tensor; expert
     `expert`'s [out, in] matrix of a stacked [E, out, in] parameter; or the first (`half`=0) or
-    second half of dim 1 of a fused [E, 2F, D] tensor."""
+    second half of dim 1 of a fused [E, 2F, D] tensor. `rope_rows` (period, start, width): in every
+    `period` rows, rows start .. start + width - 1 are a RoPE projection whose pairs the checkpoint
+    interleaves ((x0, x1), (x2, x3) ...) where dtrain's rotate-half RoPE pairs x_j with x_{j+width/2}."""
 
     hf_name: str
     expert: int | None = None
     half: int | None = None
+    rope_rows: tuple[int, int, int] | None = None
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The HF tensor's shape, for a dtrain parameter of `shape`."""
@@ -68,6 +71,22 @@ class Piece:
         if self.half is not None:
             return (shape[0], 2 * shape[1], *shape[2:])
         return tuple(shape)
+
+    def to_dtrain(self, value: torch.Tensor) -> torch.Tensor:
+        """The HF tensor in dtrain's row order (the same tensor where the orders agree)."""
+        return value if self.rope_rows is None else value[_rope_order(value.shape[0], *self.rope_rows)]
+
+    def to_hf(self, value: torch.Tensor) -> torch.Tensor:
+        if self.rope_rows is None:
+            return value
+        return value[torch.argsort(_rope_order(value.shape[0], *self.rope_rows))]
+
+
+def _rope_order(rows: int, period: int, start: int, width: int) -> torch.Tensor:
+    """Row i of dtrain's order is row order[i] of the interleaved one."""
+    within = torch.arange(period)
+    within[start:start + width] = start + torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)])
+    return (torch.arange(0, rows, period)[:, None] + within).flatten()
 
 
 class HFFamily:
@@ -81,6 +100,7 @@ class HFFamily:
     # Fields that change neither the parameters nor the forward math, which a run may choose freely.
     free_fields: frozenset[str] = frozenset({"init_std"})
     export_layout = "hub"
+    preset_hint = "a Llama preset"  # what a run of another family should choose instead
 
     def config_from_hf(self, hf: dict[str, Any], source: str) -> LlamaConfig | MoEConfig:
         raise NotImplementedError
@@ -93,9 +113,22 @@ class HFFamily:
         """Whether a tensor of this name belongs to the family (in any layout)."""
         raise NotImplementedError
 
-    def layout(self, hf_names: Iterable[str]) -> str:
-        """The tensor layout of a checkpoint holding `hf_names`."""
+    def layout(self, hf_names: Iterable[str], hf_config: dict[str, Any] | None = None) -> str:
+        """The tensor layout of a checkpoint holding `hf_names`, with config.json `hf_config`."""
         return "hub"
+
+    def export_layout_of(self, base: dict[str, Any] | None) -> str:
+        """The layout an export writes, given the config.json an import came from (or None)."""
+        return self.export_layout
+
+    def ignored(self, hf_name: str, cfg) -> bool:
+        """Whether a tensor of this name is one a checkpoint may carry that dtrain does not read
+        (a copy of a shared weight)."""
+        return False
+
+    def with_tensors(self, cfg, hf_names: Iterable[str]):
+        """The model config where the tensors present say more than config.json (default: `cfg`)."""
+        return cfg
 
     def pieces(self, name: str, cfg, layout: str) -> list[Piece]:
         """Where dtrain parameter `name` lies in a checkpoint of `layout`."""

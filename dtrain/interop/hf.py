@@ -48,8 +48,9 @@ def family_of_config(cfg: LlamaConfig | MoEConfig) -> HFFamily:
 def _family_of_hf(hf: dict[str, Any], source: str) -> HFFamily:
     kind, known = hf.get("model_type"), hf_families()
     if kind not in known:
+        *others, last = map(repr, sorted(known))
         raise UserError(f"{source}: model_type {kind!r} is not supported; dtrain imports "
-                        f"{' and '.join(map(repr, sorted(known)))} checkpoints")
+                        f"{', '.join(others)} and {last} checkpoints")
     return known[kind]
 
 
@@ -73,8 +74,8 @@ def check_matches(hf_cfg: LlamaConfig | MoEConfig, model_cfg: LlamaConfig | MoEC
     """The run's model must have the checkpoint's shape; the message gives the flags that fix it."""
     family = family_of_config(hf_cfg)
     if type(model_cfg) is not type(hf_cfg):
-        other = "a Mixtral (MoE) preset such as mixtral-8x7b" if isinstance(hf_cfg, MoEConfig) else "a Llama preset"
-        raise UserError(f"{source} is a {family.title} checkpoint but --model {model_name} is not; choose {other}")
+        raise UserError(f"{source} is a {family.title} checkpoint but --model {model_name} is not; "
+                        f"choose {family.preset_hint}")
     differ = [f.name for f in attrs.fields(type(hf_cfg))
               if f.name not in family.free_fields and getattr(hf_cfg, f.name) != getattr(model_cfg, f.name)]
     if not differ:
@@ -92,7 +93,7 @@ def param_shapes(cfg: LlamaConfig | MoEConfig) -> dict[str, tuple[int, ...]]:
 
 
 class HFCheckpoint:
-    """A Hugging Face Llama or Mixtral checkpoint directory, read one parameter at a time (a rank
+    """A Hugging Face checkpoint directory of a family here, read one parameter at a time (a rank
     never holds more than one full parameter beyond its shards)."""
 
     def __init__(self, path: str | Path):
@@ -111,7 +112,9 @@ class HFCheckpoint:
         unknown = [name for name in present if not self.family.known(name)]
         if unknown:
             raise UserError(f"{self.path}: unexpected tensor {unknown[0]}; it is not part of a {self.family.title} model")
-        self.layout = self.family.layout(present)
+        self.config = self.family.with_tensors(self.config, present)
+        present = [name for name in present if not self.family.ignored(name, self.config)]
+        self.layout = self.family.layout(present, self.raw_config)
         self.shapes = param_shapes(self.config)
         self.pieces = {name: self.family.pieces(name, self.config, self.layout) for name in self.shapes}
         expected = list(dict.fromkeys(p.hf_name for pieces in self.pieces.values() for p in pieces))
@@ -158,7 +161,7 @@ class HFCheckpoint:
     def tensor(self, name: str) -> torch.Tensor:
         """One parameter by dtrain name, in the checkpoint's dtype (experts stacked as dtrain keeps them)."""
         shape, pieces = self.shapes[name], self.pieces[name]
-        values = [self._read(piece, shape) for piece in pieces]
+        values = [piece.to_dtrain(self._read(piece, shape)) for piece in pieces]
         return torch.stack(values) if pieces[0].expert is not None else values[0].contiguous()
 
     def load_all(self) -> dict[str, torch.Tensor]:
@@ -175,15 +178,17 @@ def save_hf(params: dict[str, torch.Tensor], cfg: LlamaConfig | MoEConfig, out_d
 
     family = family_of_config(cfg)
     config = family.config_to_hf(cfg, dtype, base_config)  # refuses a model HF has no equivalent of
+    layout = family.export_layout_of(base_config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, value in params.items():
         value = value.detach().to("cpu", dtype)
-        for piece in family.pieces(name, cfg, family.export_layout):
-            # A clone per expert: safetensors refuses tensors that share memory.
+        for index, piece in enumerate(family.pieces(name, cfg, layout)):
+            # A clone per expert, and per copy of a shared weight: safetensors refuses tensors that share memory.
             part = value[piece.expert].clone() if piece.expert is not None else value.contiguous()
+            part = piece.to_hf(part.clone() if index else part)
             nbytes = part.numel() * part.element_size()
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append({})

@@ -72,6 +72,7 @@ def _without_float_noise(value: float) -> float:
 
 class Mixtral(HFFamily):
     model_type, architecture, title, config_cls = "mixtral", "MixtralForCausalLM", "Mixtral", MoEConfig
+    preset_hint = "a Mixtral (MoE) preset such as mixtral-8x7b"
     # Training choices that change neither the parameters nor the model's function: a run that
     # starts from a Mixtral checkpoint may pick its own (a router_bias starts at zero).
     free_fields = frozenset({"init_std", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "capacity_factor"})
@@ -96,6 +97,8 @@ class Mixtral(HFFamily):
     def config_to_hf(self, cfg: MoEConfig, dtype: torch.dtype, base: dict[str, Any] | None) -> dict[str, Any]:
         problems = [what for bad, what in (
             (cfg.num_shared_experts, f"num_shared_experts={cfg.num_shared_experts} (Mixtral has no shared experts)"),
+            (cfg.num_expert_groups > 1, f"num_expert_groups={cfg.num_expert_groups} (Mixtral routes over all experts)"),
+            (cfg.routed_scaling_factor != 1, f"routed_scaling_factor={cfg.routed_scaling_factor} (Mixtral has none)"),
             (cfg.score_func != "softmax", f"score_func={cfg.score_func!r} (Mixtral routes by softmax)"),
             (not cfg.route_norm, "route_norm=False (Mixtral renormalises its top-k weights)"),
             (cfg.first_dense_layers, f"first_dense_layers={cfg.first_dense_layers} (every Mixtral layer is MoE)"),
@@ -115,7 +118,7 @@ class Mixtral(HFFamily):
         return (map_name(hf_name, _SHARED_TO_DTRAIN) is not None
                 or any(p.match(hf_name) for patterns in _PATTERNS.values() for p in patterns))
 
-    def layout(self, hf_names: Iterable[str]) -> str:
+    def layout(self, hf_names: Iterable[str], hf_config: dict[str, Any] | None = None) -> str:
         """The fused layout when any name has it, else the hub's (a mix then fails as unexpected tensors)."""
         return "fused" if any(p.match(n) for n in hf_names for p in _PATTERNS["fused"]) else "hub"
 

@@ -12,7 +12,7 @@ import torch
 from dtrain import build
 from dtrain.config import Config
 from dtrain.data import validate_data_args
-from models.config import LlamaConfig, MoEConfig, get_model_config
+from models.config import DeepSeekConfig, LlamaConfig, MoEConfig, get_model_config
 from models.errors import UserError
 from parallel import pipeline, precision, recompute
 from parallel.mesh import MeshSpec
@@ -129,18 +129,28 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
                             "Transformer Engine matmul, with its own scales); drop one of them")
         if t.fp8_amax_history < 1:
             raise UserError(f"--fp8-amax-history {t.fp8_amax_history} must be >= 1")
-        hd = model_cfg.head_dim
         is_moe = isinstance(model_cfg, MoEConfig)
-        ffn = model_cfg.expert_ffn_dim if is_moe else model_cfg.ffn_dim
-        split_dims = [model_cfg.num_heads * hd, model_cfg.num_kv_heads * hd, ffn]
-        if t.fp8_head:
-            split_dims.append(model_cfg.vocab_size)
         # The rows of one matmul: a rank's micro-batch (its cp chunks); MoE layers split them over tp.
         tokens = config.data.micro_batch * config.data.seq_len // (mesh_spec.cp * (tp if is_moe else 1))
-        precision.validate_fp8(t.fp8, t.fp8_backend, [model_cfg.dim] + [dim // tp for dim in split_dims], tokens)
+        precision.validate_fp8(t.fp8, t.fp8_backend, _matmul_widths(model_cfg, tp, t.fp8_head), tokens)
     for name, path in (("--resume", t.resume if t.resume != "latest" else None), ("--init-from-hf", t.init_from_hf)):
         if path is not None and not Path(path).exists():
             raise UserError(f"{name} {path}: no such checkpoint directory")
+
+
+def _matmul_widths(model_cfg, tp: int, head: bool) -> list[int]:
+    """The widths of the blocks' matmul inputs and outputs on one tp rank (and the head's)."""
+    heads = model_cfg.num_heads
+    if isinstance(model_cfg, DeepSeekConfig):
+        whole = [model_cfg.kv_lora_rank, model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim]
+        whole += [model_cfg.q_lora_rank] if model_cfg.q_lora_rank else []
+        split = [heads * model_cfg.qk_head_dim, heads * (model_cfg.qk_nope_head_dim + model_cfg.v_head_dim),
+                 heads * model_cfg.v_head_dim, model_cfg.expert_ffn_dim, model_cfg.dense_ffn_dim or tp]
+    else:
+        ffn = model_cfg.expert_ffn_dim if isinstance(model_cfg, MoEConfig) else model_cfg.ffn_dim
+        whole, split = [], [heads * model_cfg.head_dim, model_cfg.num_kv_heads * model_cfg.head_dim, ffn]
+    split += [model_cfg.vocab_size] if head else []
+    return [model_cfg.dim, *whole] + [dim // tp for dim in split]
 
 
 def with_global_batch(config: Config, world_size: int) -> Config:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -17,21 +18,34 @@ from models.errors import UserError
 from parallel import masked_attention
 from parallel.context_parallel import CP_METHODS, context_parallel_attention, mask_sites, shard_sequence
 
-# name -> (batch, seq_len, heads, kv_heads, head_dim); every seq_len divisible by 2 x 4.
+class Case(NamedTuple):
+    batch: int
+    seq_len: int  # divisible by 2 x 4
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None  # values of a head dim of their own (MLA)
+    scale: float | None = None     # the scores' scale (None: head_dim ** -0.5)
+
+
 CASES = {
-    "gqa_batch2": (2, 16, 4, 2, 8),
-    "mha": (1, 8, 4, 4, 16),
-    "gqa_8_4_long": (2, 32, 8, 4, 8),
-    "mqa": (1, 16, 4, 1, 8),
+    "gqa_batch2": Case(2, 16, 4, 2, 8),
+    "mha": Case(1, 8, 4, 4, 16),
+    "gqa_8_4_long": Case(2, 32, 8, 4, 8),
+    "mqa": Case(1, 16, 4, 1, 8),
+    # DeepSeek's shapes in small: q/k head dim 24 (16 + 8 rotary), values 16, a YaRN-scaled softmax.
+    "mla": Case(2, 16, 4, 4, 24, v_head_dim=16, scale=0.27),
 }
 
 
 # Masked cases: documents of these lengths in each row (a row of the batch each), and a window.
 MASKED_CASES = {
-    "documents": ((2, 32, 4, 2, 8), [[5, 13, 1, 13], [32]], None),
-    "documents_window": ((2, 32, 4, 2, 8), [[3, 20, 9], [12, 12, 8]], 6),
-    "window": ((1, 32, 4, 4, 8), [[32]], 4),
-    "short_documents": ((1, 32, 4, 1, 8), [[2, 3, 1, 4, 2, 5, 3, 6, 6]], None),
+    "documents": (Case(2, 32, 4, 2, 8), [[5, 13, 1, 13], [32]], None),
+    "documents_window": (Case(2, 32, 4, 2, 8), [[3, 20, 9], [12, 12, 8]], 6),
+    "window": (Case(1, 32, 4, 4, 8), [[32]], 4),
+    "short_documents": (Case(1, 32, 4, 1, 8), [[2, 3, 1, 4, 2, 5, 3, 6, 6]], None),
+    # MLA's head dims and scale within documents and a window.
+    "mla_documents_window": (Case(1, 32, 4, 4, 24, v_head_dim=16, scale=0.27), [[3, 20, 9]], 6),
 }
 
 
@@ -43,16 +57,19 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max())
 
 
-def _random_inputs(batch, seq_len, heads, kv_heads, head_dim, seed, device="cpu", dtype=torch.float32):
+def _random_inputs(case: Case, seed, device="cpu", dtype=torch.float32):
+    """q, k, v and the output's gradient."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = [(batch, seq_len, n, head_dim) for n in (heads, kv_heads, kv_heads, heads)]
+    v_dim = case.v_head_dim or case.head_dim
+    shapes = [(case.batch, case.seq_len, n, dim) for n, dim in ((case.heads, case.head_dim), (case.kv_heads, case.head_dim),
+                                                                 (case.kv_heads, v_dim), (case.heads, v_dim))]
     return [torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes]
 
 
-def _check_case(shape, seed, method, group, cp, rank, device="cpu", dtype=torch.float32,
+def _check_case(case: Case, seed, method, group, cp, rank, device="cpu", dtype=torch.float32,
                 masked: tuple | None = None) -> dict[str, float]:
     """`masked`: (document ids [batch, seq], window) for attention within documents and the window."""
-    q, k, v, grad = _random_inputs(*shape, seed, device, dtype)
+    q, k, v, grad = _random_inputs(case, seed, device, dtype)
     # The reference is fp32 math attention of the same (possibly bf16-rounded) inputs, on one device
     # with the dense mask (LocalContext's meaning).
     full = [t.detach().to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]
@@ -61,17 +78,17 @@ def _check_case(shape, seed, method, group, cp, rank, device="cpu", dtype=torch.
         reference_mask = LocalContext().attention_mask(*masked)
         reference_mask = type(reference_mask)(reference_mask.first_key.to(device), reference_mask.window,
                                               {n: f.to(device) for n, f in reference_mask.forms.items()})
-        sites = mask_sites(method, shape[1], cp, rank)
+        sites = mask_sites(method, case.seq_len, cp, rank)
         global_mask = masked_attention.build_mask(
             *masked, sites, lambda whole_row: masked_attention.choose_kernel("auto", torch.device(device), dtype,
                                                                              whole_row, masked[1]),
             torch.device(device))
-    reference = causal_attention(*full, reference_mask)
+    reference = causal_attention(*full, reference_mask, case.scale)
     reference.backward(grad.float())
     expected = {"out": reference.detach(), "dq": full[0].grad, "dk": full[1].grad, "dv": full[2].grad}
 
     local = [shard_sequence(t, cp, rank).requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*local, group=group, method=method, mask=global_mask)
+    out = context_parallel_attention(*local, group=group, method=method, mask=global_mask, scale=case.scale)
     out.backward(shard_sequence(grad, cp, rank).contiguous())
     actual = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
     return {
@@ -81,7 +98,7 @@ def _check_case(shape, seed, method, group, cp, rank, device="cpu", dtype=torch.
 
 def _user_error(*shape_and_method, group) -> str | None:
     *shape, method = shape_and_method
-    q, k, v, _ = _random_inputs(*shape, seed=0)
+    q, k, v, _ = _random_inputs(Case(*shape), seed=0)
     try:
         context_parallel_attention(q, k, v, group=group, method=method)
     except UserError as error:
@@ -100,17 +117,16 @@ def main(rank: int, cp: int, out_dir: str, device: str = "cpu", dtype_name: str 
     dist.init_process_group(backend, init_method=f"file://{out_dir}/store", rank=rank, world_size=cp)
     group = dist.group.WORLD
     results: dict[str, object] = {}
-    for seed, (name, shape) in enumerate(CASES.items()):
-        heads, kv_heads = shape[2], shape[3]
+    for seed, (name, case) in enumerate(CASES.items()):
         for method in CP_METHODS:
-            if method == "a2a" and (heads % cp or kv_heads % cp):
+            if method == "a2a" and (case.heads % cp or case.kv_heads % cp):
                 continue
-            results[f"{name}/{method}"] = _check_case(shape, seed + 1, method, group, cp, rank, device, dtype)
-    for seed, (name, (shape, lengths, window)) in enumerate(MASKED_CASES.items()):
+            results[f"{name}/{method}"] = _check_case(case, seed + 1, method, group, cp, rank, device, dtype)
+    for seed, (name, (case, lengths, window)) in enumerate(MASKED_CASES.items()):
         for method in CP_METHODS:
-            if method == "a2a" and (shape[2] % cp or shape[3] % cp):
+            if method == "a2a" and (case.heads % cp or case.kv_heads % cp):
                 continue
-            results[f"masked_{name}/{method}"] = _check_case(shape, seed + 11, method, group, cp, rank, device,
+            results[f"masked_{name}/{method}"] = _check_case(case, seed + 11, method, group, cp, rank, device,
                                                              dtype, (document_ids_of(lengths), window))
     results["error/a2a_kv_heads"] = _user_error(1, 4 * cp, 2 * cp, 1, 4, "a2a", group=group)
     results["error/a2a_heads"] = _user_error(1, 4 * cp, 2 * cp + 1, 1, 4, "a2a", group=group)

@@ -1,0 +1,122 @@
+"""Attention sub-blocks on one GPU, forward and backward, beside each other: llama-1b's grouped-query
+attention and DeepSeek's Multi-head Latent Attention (V2-Lite's shape; V3's with the 16 heads one
+GPU holds at tp=8), at the same batch and sequence, each as the model runs it (projections, RoPE,
+causal attention on the fused kernels, output projection; compiled with --compile):
+
+    python -m tools.bench --attention all --compile
+
+One JSON line per setup: milliseconds per forward + backward, tokens/s, and model TFLOP/s by the
+MFU convention (every matmul parameter 6 times per token, attention 6 S x the summed query/key and
+value head dims, causal or not). MLA's values have head dim 128 beside 192 for queries and keys:
+`value_path` says whether cuDNN took them as they are, or the values were padded; the `-padded`
+setup times the padding on purpose, to compare the two where cuDNN takes both.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+
+import attrs
+import torch
+from torch.nn.attention import sdpa_kernel
+
+from models import llama, mla, spec
+from models.config import DeepSeekConfig, get_model_config
+from models.context import LocalContext
+from models.layers import attention_block
+from parallel.context import CUDA_ATTENTION_PRIORITY, cudnn_takes_head_dims, fused_causal_attention
+
+# name -> (preset, changes to it, values padded on purpose)
+SETUPS = {
+    "gqa-llama-1b": ("llama-1b", {}, False),
+    "mla-deepseek-v2-lite": ("deepseek-v2-lite", {}, False),
+    "mla-deepseek-v2-lite-padded": ("deepseek-v2-lite", {}, True),
+    "mla-deepseek-v3-tp8": ("deepseek-v3", {"num_heads": 16, "num_kv_heads": 16}, False),
+}
+
+
+class _Context(LocalContext):
+    """One GPU: the fused kernels, with MLA's values padded on purpose where `pad` says so."""
+
+    def __init__(self, pad: bool):
+        self.pad = pad
+
+    def attention(self, q, k, v, mask=None, *, scale=None):
+        return fused_causal_attention(q, k, v, mask, scale, pad_values=True if self.pad else None)
+
+
+def _attention_params(cfg) -> dict[str, spec.ParamSpec]:
+    std, out_std = llama.init_stds(cfg)
+    return mla.attention_params(cfg, std, out_std) if isinstance(cfg, DeepSeekConfig) else llama.attention_params(cfg, std, out_std)
+
+
+def run_setup(name: str, batch: int, seq_len: int, iterations: int, compile_: bool) -> dict:
+    preset, changes, pad = SETUPS[name]
+    cfg = attrs.evolve(get_model_config(preset), **changes)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    specs = _attention_params(cfg)
+    params = {path: spec.init_value(s, 0, path, device, dtype).requires_grad_() for path, s in spec.flatten(specs)}
+    x = torch.randn(batch, seq_len, cfg.dim, device=device, dtype=dtype, requires_grad=True)
+    positions = torch.arange(seq_len, device=device)
+    ctx = _Context(pad)
+    if isinstance(cfg, DeepSeekConfig):
+        rope = mla.rope(cfg, positions)
+        width = cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+
+        def forward(p, x):
+            return mla.attention(p, x, rope, cfg, ctx)
+    else:
+        rope = llama.make_aux(cfg, positions).rope
+        width = 2 * cfg.dim
+
+        def forward(p, x):
+            return attention_block(p, x, rope, cfg.num_heads, cfg.num_kv_heads, ctx)
+    step = torch.compile(forward) if compile_ else forward
+    grad = torch.randn(batch, seq_len, cfg.dim, device=device, dtype=dtype)
+
+    def once():
+        for t in (*params.values(), x):
+            t.grad = None
+        step(params, x).backward(grad)
+
+    with sdpa_kernel(CUDA_ATTENTION_PRIORITY, set_priority=True):
+        for _ in range(3):  # compilation and warm-up
+            once()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iterations):
+            once()
+        end.record()
+        torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / iterations
+    tokens = batch * seq_len
+    matmul = sum(math.prod(s.shape) for s in specs.values() if len(s.shape) >= 2)
+    model_flops = tokens * (6.0 * matmul + 6.0 * seq_len * width)
+    value_path = None
+    if isinstance(cfg, DeepSeekConfig):
+        native = cudnn_takes_head_dims(torch.cuda.current_device(), dtype, cfg.qk_head_dim, cfg.v_head_dim, True)
+        value_path = "padded" if pad or not native else "cuDNN as they are"
+    return {
+        "kind": "attention", "setup": name, "preset": preset, "heads": cfg.num_heads, "batch": batch,
+        "seq_len": seq_len, "compile": compile_, "ms_fwd_bwd": round(ms, 3),
+        "tokens_per_sec": round(tokens / ms * 1e3), "model_tflops": round(model_flops / ms / 1e9, 1),
+        "value_path": value_path, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def run(names: list[str], batch: int, seq_len: int, iterations: int, compile_: bool) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise SystemExit("error: the attention benchmark needs a CUDA GPU")
+    rows = []
+    for name in names:
+        row = run_setup(name, batch, seq_len, iterations, compile_)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    for row in rows:
+        print(f"{row['setup']:<30} {row['ms_fwd_bwd']:8.2f} ms  {row['tokens_per_sec']:>10,} tok/s  "
+              f"{row['model_tflops']:6.1f} TFLOP/s  {row['value_path'] or ''}")
+    return rows
