@@ -18,11 +18,11 @@ from dtrain.data import TokenDataset
 from dtrain.distributed import Runtime
 from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
-from dtrain.plan.validate import build_plan, validate
+from dtrain.plan.validate import build_plan, tp_overlap_method, validate
 from dtrain.resilience.faults import FaultInjector
 from models import families, flops, llama, masking, moe, spec
 from models.errors import UserError
-from parallel import context_parallel, pipeline, precision
+from parallel import context_parallel, pipeline, precision, tensor_parallel
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_
 from parallel.expert_parallel import choose_dispatch
 from parallel.gradients import clip_grads_
@@ -117,12 +117,14 @@ class Trainer:
         build = functools.partial(
             parallelize, plan=self.plan, mesh=self.mesh, device=self.runtime.device, seed=t.seed,
             compute_dtype=COMPUTE_DTYPES[t.precision], recompute_mode=t.recompute,
-            compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm, expert_mesh=self.expert_mesh,
+            compile_blocks=t.compile, async_tp=p.async_tp, tp_overlap=tp_overlap_method(self.config, self.mesh_spec),
+            cp_method=p.cp_comm, expert_mesh=self.expert_mesh,
             ep_dispatch=self.ep_dispatch or "alltoall",
             fp8_linear=precision.fp8_linear(t.fp8, self.runtime.device, float8_all_gather=t.fp8_all_gather),
             fp8_layers=self._fp8_layers(), fp8_head=t.fp8_head, fuse_projections=t.fuse_projections,
             reshard_mode=p.fsdp_reshard_after_forward, attention_kernel=t.attention_kernel,
         )
+        self._log_tp_overlap()
         if self.mesh_spec.pp == 1:
             model, ctx = build(layers)
             return [model], ctx, None
@@ -141,6 +143,16 @@ class Trainer:
         if self.runtime.is_main:
             logger.info("pipeline: %s, %d stages, blocks per stage %s", p.pp_schedule, num_stages, counts)
         return parts, parts[0].ctx, runner
+
+    def _log_tp_overlap(self) -> None:
+        method = tp_overlap_method(self.config, self.mesh_spec)
+        if method is None or not self.runtime.is_main:
+            return
+        t = self.config.train
+        unfused = tensor_parallel.unfused_matmuls(self.plan, fp8=t.fp8 is not None and bool(self._fp8_layers()),
+                                                  fp8_head=t.fp8_head)
+        logger.info("tp overlap: %s%s", method,
+                    "; separate collectives for " + ", ".join(unfused) + " matmuls" if unfused else "")
 
     def _fp8_layers(self) -> frozenset[str]:
         """The blocks whose matmuls run in FP8: all of them, or all but the first and last."""

@@ -12,7 +12,7 @@ from dtrain.config import Config
 from dtrain.data import validate_data_args
 from models.config import LlamaConfig, MoEConfig, get_model_config
 from models.errors import UserError
-from parallel import pipeline, precision
+from parallel import pipeline, precision, tensor_parallel
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
 
@@ -94,10 +94,14 @@ def _check_sequence_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> Non
 
 
 def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
-    """Async TP, FP8, and the checkpoint paths."""
+    """Async TP and the tp overlap, FP8, and the checkpoint paths."""
     t, p, tp = config.train, config.parallel, mesh_spec.tp
     if p.async_tp and not (t.compile and p.sequence_parallel and tp > 1 and torch.cuda.is_available()):
         raise UserError("--async-tp needs --compile, --sequence-parallel, a mesh with tp > 1 and CUDA GPUs")
+    if tp_overlap_method(config, mesh_spec) is not None and (config.data.seq_len // mesh_spec.cp) % tp:
+        raise UserError(f"--tp-overlap splits each rank's {config.data.seq_len // mesh_spec.cp} tokens of a sequence "
+                        f"into tp={tp} equal shards; use a --seq-len divisible by {tp * mesh_spec.cp}, or "
+                        f"--tp-overlap none")
     if t.fp8_head and t.fp8 is None:
         raise UserError("--fp8-head runs the output projection in FP8; give --fp8 RECIPE with it")
     if t.fp8 is not None:
@@ -122,6 +126,15 @@ def with_global_batch(config: Config, world_size: int) -> Config:
     return attrs.evolve(config, data=attrs.evolve(config.data, global_batch=config.data.micro_batch * dp_size))
 
 
+def tp_overlap_method(config: Config, mesh_spec: MeshSpec) -> str | None:
+    """What --tp-overlap resolves to on this machine (tensor_parallel.resolve_method)."""
+    p = config.parallel
+    return tensor_parallel.resolve_method(p.tp_overlap, sequence_parallel=p.sequence_parallel, tp=mesh_spec.tp,
+                                          device_type="cuda" if torch.cuda.is_available() else "cpu",
+                                          async_tp=p.async_tp)
+
+
 def build_plan(config: Config, mesh_spec: MeshSpec, model_cfg: LlamaConfig) -> Plan:
     return Plan.build(mesh_spec, sequence_parallel=config.parallel.sequence_parallel,
-                      num_kv_heads=model_cfg.num_kv_heads)
+                      num_kv_heads=model_cfg.num_kv_heads,
+                      tp_overlap=tp_overlap_method(config, mesh_spec) is not None)
