@@ -103,9 +103,12 @@ def unfused_matmuls(plan, *, fp8: bool, fp8_head: bool) -> list[str]:
 def enable_symmetric_memory(group: TpGroup) -> None:
     """Registers the tp group with symmetric memory. torch 2.11 deprecates the call as unneeded,
     yet its `is_symm_mem_enabled_for_group` (read by inductor's async-TP pass) stays False without
-    it (pytorch/pytorch#193027); it is idempotent, so it is made anyway."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    it (pytorch/pytorch#193027); it is idempotent, so it is made anyway, where it still exists."""
+    from torch.distributed import _symmetric_memory
 
+    enable_symm_mem_for_group = getattr(_symmetric_memory, "enable_symm_mem_for_group", None)
+    if enable_symm_mem_for_group is None:  # removed: torch resolves the group by name itself
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         enable_symm_mem_for_group(group.name)

@@ -21,7 +21,7 @@ from parallel import recompute, tensor_parallel
 from parallel.context import ParallelContext
 from parallel.mesh import MeshSpec, build_device_mesh
 from parallel.plan import Plan
-from tests.launch import run_cli
+from tests.launch import run_cli, train_scalars
 
 CFG = get_model_config("tiny")
 BATCH, SEQ = 2, 12  # sequence shards of 6 tokens: tp=2 chunks of 3
@@ -169,6 +169,16 @@ def test_tp_overlap_choice_resolves(choice, sp, async_tp, device, expected):
                                           async_tp=async_tp) == expected
 
 
+def test_start_up_log_names_the_matmuls_left_unfused():
+    mesh_spec = MeshSpec.parse("tp=2", 2)
+    plan = Plan.build(mesh_spec, sequence_parallel=True, num_kv_heads=CFG.num_kv_heads, tp_overlap=True)
+    assert tensor_parallel.unfused_matmuls(plan, fp8=False, fp8_head=False) == []
+    reasons = tensor_parallel.unfused_matmuls(plan, fp8=True, fp8_head=True)
+    assert len(reasons) == 2 and "FP8 blocks" in reasons[0] and "FP8 output head" in reasons[1]
+    whole_kv = Plan.build(MeshSpec.parse("tp=4", 4), sequence_parallel=True, num_kv_heads=2, tp_overlap=True)
+    assert [r for r in tensor_parallel.unfused_matmuls(whole_kv, fp8=False, fp8_head=False) if "q/k/v" in r]
+
+
 def test_tp_overlap_and_async_tp_are_not_both_asked_for():
     with pytest.raises(UserError, match="give one"):
         tensor_parallel.resolve_method("symm_mem", sequence_parallel=True, tp=2, device_type="cuda", async_tp=True)
@@ -186,3 +196,24 @@ def test_bad_tp_overlap_is_refused_before_any_work(flags, message):
     world = MeshSpec.parse(config.parallel.mesh, None).world_size
     with pytest.raises(UserError, match=message):
         validate(with_global_batch(config, world), world)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("backend", [[], ["inductor"]], ids=["eager", "compiled"])
+def test_symmetric_memory_matmuls_run_and_match_whole_tensor_math_on_two_gpus(backend):
+    """torch's fused ops, called (the worker profiles them) and right, forward and backward."""
+    result = run_cli(["symm_mem", *backend], nproc=2, module="tests.workers.tp_overlap")
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_compiled_symmetric_memory_training_matches_unfused_on_two_gpus(tmp_path):
+    """Whole compiled runs, fp32 (no TF32: both runs use the same GEMMs), 10 steps: --tp-overlap
+    auto resolves to symm_mem on GPUs; its losses against DTensor's separate collectives."""
+    sp = ["--mesh", "tp=2", "--sequence-parallel", "--compile"]
+    fused = train_scalars(tmp_path / "fused", sp, nproc=2)
+    unfused = train_scalars(tmp_path / "unfused", [*sp, "--tp-overlap", "none"], nproc=2)
+    for step, (a, e) in enumerate(zip(fused["train/loss"], unfused["train/loss"], strict=True), 1):
+        assert abs(a - e) <= 1e-4 * abs(e), f"loss at step {step}: symm_mem {a} vs unfused {e}"

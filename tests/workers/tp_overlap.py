@@ -1,8 +1,10 @@
-"""Run under torchrun with 2 ranks: `python -m tests.workers.tp_overlap METHOD [--compile]` checks
+"""Run under torchrun with 2 ranks: `python -m tests.workers.tp_overlap METHOD [BACKEND]` checks
 parallel/tensor_parallel.py's fused matmuls and vocab-parallel loss, forward and backward, against
 the same math on whole tensors in one process (every rank draws the same global tensors). CPU:
-float64 and the chunked method; CUDA: float32 and `chunked` or `symm_mem`, also compiled.
-Prints `OK` on rank 0; any mismatch raises."""
+float64 and the chunked method; CUDA: float32 and `chunked` or `symm_mem`. With a torch.compile
+BACKEND (`inductor`, or `aot_eager`: traced, not code-generated) each is compiled as one graph.
+Under `symm_mem` the profiler must see torch's fused symmetric-memory ops run, forward and backward
+(a silent fallback to separate collectives fails). Prints `OK` on rank 0; any mismatch raises."""
 
 import os
 import sys
@@ -15,7 +17,7 @@ from parallel.tensor_parallel import (AllGatherLinear, LinearReduceScatter, TpGr
                                       chunk_bounds, enable_symmetric_memory)
 
 method = sys.argv[1]
-compiled = "--compile" in sys.argv[2:]
+backend = sys.argv[2] if len(sys.argv) > 2 else None
 cuda = torch.cuda.is_available()
 device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
 if cuda:
@@ -42,7 +44,7 @@ def shard(t, dim):
 
 
 def maybe_compiled(fn):
-    return torch.compile(fn, fullgraph=True) if compiled else fn
+    return torch.compile(fn, fullgraph=True, backend=backend) if backend else fn
 
 
 def check_all_gather_linear(batch, seq, k, outs):
@@ -97,11 +99,19 @@ def check_vocab_parallel_loss(batch, seq, vocab):
     torch.testing.assert_close(local.grad, shard(ref.grad, 2), **tol)
 
 
-# One sample, several; shards of 5 tokens (chunks of 3 and 2), of 4 (chunks of 2 and 2).
-for batch, seq in ((1, 8), (3, 10)):
-    assert len(chunk_bounds(seq // n, n)) == n
-    check_all_gather_linear(batch, seq, k=12, outs=[8, 4, 4])
-    check_linear_reduce_scatter(batch, seq, k=8, out_dim=12)
+FUSED_OPS = ("symm_mem::fused_all_gather_matmul", "symm_mem::fused_matmul_reduce_scatter")
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+    # One sample, several; shards of 5 tokens (chunks of 3 and 2), of 4 (chunks of 2 and 2).
+    for batch, seq in ((1, 8), (3, 10)):
+        assert len(chunk_bounds(seq // n, n)) == n
+        check_all_gather_linear(batch, seq, k=12, outs=[8, 4, 4])
+        check_linear_reduce_scatter(batch, seq, k=8, out_dim=12)
+ran = {e.name for e in profile.events()}
+if method == "symm_mem":
+    missing = [op for op in FUSED_OPS if op not in ran]
+    assert not missing, f"symm_mem: {missing} never ran; ran {sorted(n for n in ran if '::' in n)[:40]}"
+else:
+    assert not ran & set(FUSED_OPS), f"{method}: symmetric-memory ops ran"
 # A vocabulary of 11 over 2 ranks: shards of 6 and 5 columns.
 check_vocab_parallel_loss(batch=2, seq=6, vocab=11)
 dist.barrier()
