@@ -124,6 +124,13 @@ class TrainArgs:
                                 const="latest")
     init_from_hf: str | None = _field(None, "start from the weights of a Hugging Face Llama or Mixtral checkpoint "
                                             "directory (config.json + safetensors)")
+    init_timeout: float = _field(600.0, "seconds a collective may wait, and a phase may last, while the run starts "
+                                        "(building, loading, compiling: the first step included), saves or evaluates")
+    step_timeout: float = _field(120.0, "seconds a phase of a step (data, forward, backward, optimizer, sync) may last "
+                                        "once steps run before the run names the ranks it waits for and exits; "
+                                        "collectives wait 20 s longer (0: no hang detection)")
+    straggler_every: int = _field(50, "steps between straggler checks (each rank's forward compute time, logged as "
+                                      "perf/straggler_ratio; a rank that stays slow is named) (0: off)")
     eval_every: int = _field(0, "steps between evaluations on the validation split, logged as val/loss (0: off)")
     eval_steps: int = _field(10, "global batches per evaluation (capped at one pass over the validation split)")
 

@@ -81,6 +81,12 @@ class MetricsLogger:
         if console:
             logger.info(format_line(step, total_steps, scalars))
 
+    def flush(self) -> None:
+        """Onto the disk now: a checkpoint flushes the steps before it, so that a run killed later
+        and resumed from it keeps them."""
+        if self.writer is not None:
+            self.writer.flush()
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -1,14 +1,20 @@
-"""A training run from start to end: the process group, the run's log file, the trainer, and the
-shutdown that follows an error."""
+"""A training run from start to end: the process group, the run's log file, hang detection, the
+trainer, and the shutdown that follows an error (recorded in the run directory for restarts)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from pathlib import Path
 
 from dtrain import distributed
 from dtrain.config import Config
 from dtrain.metrics import log_file
 from dtrain.plan.validate import validate, with_global_batch
+from dtrain.resilience import failures
+from dtrain.resilience.heartbeat import Heartbeat, open_board
+from dtrain.resilience.watchdog import GRACE_S, Watchdog
 from dtrain.trainer import Trainer
 
 
@@ -16,12 +22,57 @@ def train(config: Config, before_step=None) -> list[dict[str, float]]:
     """Runs the configured training; returns every step's scalars (the loss on every rank)."""
     config = with_global_batch(config, distributed.world_size_from_env())
     validate(config, distributed.world_size_from_env())
-    runtime = distributed.init_process_group()
+    t = config.train
+    run_dir = Path(t.run_dir)
+    watching = t.step_timeout > 0
+    beat, watchdog = Heartbeat(int(os.environ.get("RANK", "0"))), None
+    # Until the checkpointer takes SIGTERM over (it saves at the next step boundary), and once it
+    # gives it back, a SIGTERM ends the run through the error path: the failure is recorded.
+    previous_handler = signal.signal(signal.SIGTERM, _raise_terminated) if _in_main_thread() else None
     try:
-        with log_file(Path(config.train.run_dir) / "train.log", runtime.is_main):
-            scalars = Trainer(config, runtime).fit(before_step)
-    except BaseException:
+        # Collectives wait GRACE_S longer than the watchdog's limit, so that the watchdog names
+        # the ranks the job waits for before a collective times out.
+        runtime = distributed.init_process_group(t.init_timeout + (GRACE_S if watching else 0.0), run_dir)
+        if watching:
+            watchdog = Watchdog(beat, open_board(runtime.rank, runtime.world_size, fallback=True), run_dir=run_dir,
+                                world_size=runtime.world_size, init_timeout=t.init_timeout,
+                                step_timeout=t.step_timeout)
+            watchdog.start()
+        with log_file(run_dir / "train.log", runtime.is_main):
+            scalars = Trainer(config, runtime, heartbeat=beat, watchdog=watchdog).fit(before_step)
+    except BaseException as error:
+        failure = _record_failure(error, run_dir, beat, watchdog)
         distributed.shutdown(after_error=True)
+        if failure is not None:
+            raise failure from error
         raise
+    finally:
+        if watchdog is not None:
+            watchdog.close()
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
     distributed.shutdown()
     return scalars
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise failures.Terminated("SIGTERM (torchrun stops the workers when one fails; or the scheduler)")
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _record_failure(error: BaseException, run_dir: Path, beat: Heartbeat,
+                    watchdog: Watchdog | None) -> failures.JobFailure | None:
+    """Writes the failure into the run directory (a restart reads it); returns the one-line error
+    to raise instead of `error` where that line says more: a hang (the watchdog's report) and a
+    lost peer (a connection closed or a collective timed out). A Ctrl-C is no failure."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return None
+    if watchdog is not None and watchdog.report is not None:
+        return failures.JobFailure(watchdog.report)  # recorded by the watchdog
+    lost = watchdog.lost_peers() if watchdog is not None else ("", "")
+    failure = failures.from_error(error, beat.rank, beat.step, beat.current, lost=lost)
+    failures.record(run_dir, failure)
+    return failures.JobFailure(failure.what) if failure.kind == "lost" else None

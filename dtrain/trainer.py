@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from dtrain import distributed
 from dtrain.checkpoint.checkpointer import Checkpointer
 from dtrain.config import Config, to_toml
 from dtrain.data import TokenDataset
@@ -20,6 +22,10 @@ from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.plan.validate import build_plan, tp_overlap_method, validate
 from dtrain.resilience.faults import FaultInjector
+from dtrain.resilience.heartbeat import Heartbeat
+from dtrain.resilience.stop_request import StopRequest
+from dtrain.resilience.stragglers import Stragglers
+from dtrain.resilience.watchdog import Watchdog
 from models import families, flops, llama, masking, moe, spec
 from models.errors import UserError
 from parallel import context_parallel, pipeline, precision, tensor_parallel
@@ -37,10 +43,13 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 class Trainer:
     """Builds everything a run needs (data first, so bad data fails before model memory), then
     steps. `step` counts completed optimizer steps; the data of step s is a pure function of
-    (seed, s), so the step is also the data position."""
+    (seed, s), so the step is also the data position. `heartbeat` is told where the run is;
+    `watchdog` (hang detection) is told when steps and saves begin and end."""
 
-    def __init__(self, config: Config, runtime: Runtime):
+    def __init__(self, config: Config, runtime: Runtime, heartbeat: Heartbeat | None = None,
+                 watchdog: Watchdog | None = None):
         self.config, self.runtime = config, runtime
+        self.beat, self.watchdog = heartbeat or Heartbeat(runtime.rank), watchdog
         self.mesh_spec, self.model_cfg = validate(config, runtime.world_size)
         d, t = config.data, config.train
         self.run_dir = Path(t.run_dir)
@@ -75,6 +84,13 @@ class Trainer:
                                          scheduler=self.scheduler)
         # --resume's checkpoint (any mesh), else --init-from-hf's weights; the step to start at.
         self.step = self.checkpointer.restore()
+        self.beat.heading_for(self.step + 1)
+        if watchdog is not None:
+            watchdog.terminating = lambda: self.checkpointer.stop_signal == signal.SIGTERM
+            # A background save's group keeps its long timeout: its collectives wait for the writes.
+            groups = [g for g in distributed.process_groups() if g is not self.checkpointer.async_group]
+            watchdog.adopt_groups(groups, distributed.set_collective_timeout)
+            watchdog.starting_at(self.step)
 
         self.dp_rank = (self.mesh.get_local_rank("dp_replicate") * self.mesh_spec.dp_shard
                         + self.mesh.get_local_rank("dp_shard"))
@@ -104,6 +120,9 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, runtime.is_main, self.peak_flops, runtime.device,
                                      start_step=self.step)
         self.faults = FaultInjector(runtime.rank, self.run_dir)
+        self.stragglers = Stragglers(self.model_parts, t.straggler_every, runtime.device,
+                                     stage=self.mesh.get_local_rank("pp"), is_main=runtime.is_main)
+        self.stop_request = StopRequest(self.run_dir, runtime.is_main)
         if runtime.is_main:
             logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s%s", config.model.model,
                         spec.count_params(families.layers(self.model_cfg)) / 1e6, self.mesh_spec,
@@ -174,6 +193,7 @@ class Trainer:
         if self.pipeline is not None:
             inputs = self._local(torch.cat([inputs for inputs, _ in micro_batches]))
             labels = self._local(torch.cat([labels for _, labels in micro_batches]))
+            self.beat.phase("forward")  # the schedule's forwards and backwards
             with self.ctx.kernel_scope():
                 return self.pipeline.step(inputs, labels, auxes, loss_factor)
         loss_sum = torch.zeros((), device=device)
@@ -185,9 +205,11 @@ class Trainer:
                     last = index == len(micro_batches) - 1
                     self.model.set_requires_gradient_sync(last)
                     self.model.set_reshard_after_backward(last)
+                self.beat.phase("forward")
                 micro_loss = self.model(self._local(batch[0]), aux)
                 if loss_factor != 1.0:
                     micro_loss = micro_loss * loss_factor
+                self.beat.phase("backward")
                 (micro_loss * self.loss_scale).backward()
                 loss_sum += micro_loss.detach().float()
         return loss_sum
@@ -229,6 +251,7 @@ class Trainer:
         """The mean loss over one pass of the validation split (the same samples every time)."""
         d, t = self.config.data, self.config.train
         device = self.runtime.device
+        self.beat.phase("eval")
         num_steps = self.val_dataset.eval_steps(t.eval_steps, d.global_batch)
         batches = list(self.val_dataset.eval_micro_batches(
             t.eval_steps, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size))
@@ -256,12 +279,16 @@ class Trainer:
         device already runs the next step."""
         d = self.config.data
         launched_at = time.perf_counter()
+        self.beat.begin_step(self.step + 1)
         self.faults.at_step_start(self.step + 1)
         micro_batches = self.dataset.micro_batches(
             self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size
         )
         attended_pairs = self._attended_pairs(micro_batches)
+        self.stragglers.arm(self.step + 1)
         loss_sum = self.forward_backward(micro_batches, self.faults.loss_factor(self.step + 1))
+        compute_spans = self.stragglers.take()
+        self.beat.phase("optimizer")
         rescale_expert_grads_(self.expert_params, self.plan, self.tp_group)
         grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
@@ -277,13 +304,21 @@ class Trainer:
             dist.all_reduce(totals, group=group)
         router_stats = self._after_moe_step()
         self.step += 1
+        done = None
+        if self.runtime.device.type == "cuda":
+            # Waiting on an event releases the GIL (reading the loss does not): while the host
+            # waits for the device, the watchdog and other threads run.
+            done = torch.cuda.Event()
+            done.record()
         return LaunchedStep(self.step, launched_at, totals[0], grad_norm, lr, router_stats,
-                            totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp))
+                            totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp), compute_spans, done)
 
     def _read_back(self, launched: "LaunchedStep") -> dict[str, float]:
         """The scalars of a launched step (waits for it). Its time runs from the previous step's
         read-back, or from its own launch if later (after an evaluation or a save), so in steady
         state it is the device's time per step."""
+        if launched.done is not None:
+            launched.done.synchronize()
         loss = launched.loss_sum.item() / self.global_tokens
         now = time.perf_counter()
         elapsed = now - max(self._last_read_back, launched.launched_at)
@@ -301,6 +336,10 @@ class Trainer:
         # The keys a query attended to, on average: each document's causal (windowed) attention only.
         attended_keys = launched.attended_pairs.item() / self.global_tokens
         scalars["perf/attended_keys_per_token"] = attended_keys
+        if launched.compute_spans is not None:
+            scalars["perf/straggler_ratio"] = self.stragglers.check(launched.step, launched.compute_spans)
+        if self.watchdog is not None:
+            self.watchdog.step_done(launched.step, elapsed)
         if self.peak_flops is not None:
             scalars["perf/mfu"] = 100.0 * self.flops_per_token * tokens_per_sec_per_gpu / self.peak_flops
             needed = flops.flops_per_token(self.model_cfg, self.config.data.seq_len, attended_keys=attended_keys)
@@ -337,6 +376,7 @@ class Trainer:
 
         def read_back_all(evaluate: bool = False) -> None:
             while unread:
+                self.beat.phase("sync")
                 launched = unread.pop(0)
                 scalars = self._read_back(launched)
                 if evaluate and not unread:
@@ -344,6 +384,13 @@ class Trainer:
                 history.append(scalars)
                 console = launched.step % self.config.train.log_every == 0 or launched.step == total
                 self.metrics.log(launched.step, total, scalars, console=console)
+
+        def before_save() -> None:
+            read_back_all()
+            self.beat.phase("checkpoint")
+            self.metrics.flush()
+            if self.watchdog is not None:
+                self.watchdog.relax(until_step=self.step + 1)
 
         self.checkpointer.start()
         try:
@@ -357,14 +404,32 @@ class Trainer:
                 evaluate = bool(every) and (self.step % every == 0 or self.step == total)
                 if evaluate or self.step == total or not self.overlap_read_back:
                     read_back_all(evaluate=evaluate)
-                if self.checkpointer.after_step(self.step, before_save=read_back_all):
+                if self._step_boundary(before_save):
                     break  # preempted: saved, and every rank stops here
             read_back_all()
+            self.beat.phase("checkpoint")
+            if self.watchdog is not None:
+                self.watchdog.relax(until_step=math.inf)
             self.checkpointer.finish(self.step)
         finally:
             self.checkpointer.close()
             self.metrics.close()
         return history
+
+    def _step_boundary(self, before_save) -> bool:
+        """Where the ranks agree to save or stop; True when the run stops (it saved first)."""
+        reason = self.stop_request.poll()
+        if reason is not None:
+            self.checkpointer.request_stop(reason)
+        self.beat.phase("sync")
+        pending = self.checkpointer.pending
+        stop = self.checkpointer.after_step(self.step, before_save=before_save)
+        if self.watchdog is not None and self.checkpointer.pending is not pending:
+            # A background save was committed or started: rank 0 may prune while the others go on.
+            self.watchdog.relax(until_step=self.step + 1)
+        if stop:
+            self.stop_request.clear()
+        return stop
 
 
 @attrs.frozen
@@ -378,3 +443,5 @@ class LaunchedStep:
     lr: float
     router_stats: moe.RouterStats | None
     attended_pairs: torch.Tensor  # query-key pairs attention needed over the global batch
+    compute_spans: list | None = None  # the layers' forward times of a straggler check
+    done: torch.cuda.Event | None = None  # recorded after the step's last kernel (GPUs)

@@ -25,6 +25,15 @@ def single_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def dp2_run(tmp_path_factory):
+    """The uninterrupted two-process run (dp_shard=2) of the tiny model: resumed, restarted and
+    multi-node runs on the same mesh must match its losses bit for bit."""
+    from tests.launch import train_scalars
+
+    return train_scalars(tmp_path_factory.mktemp("dp2"), [], nproc=2)
+
+
+@pytest.fixture(scope="session")
 def indexed_corpus(tmp_path_factory):
     """A Megatron indexed corpus of bundled documents (prefix path), for runs with a validation split."""
     from dtrain.data import BUNDLED_TOKENIZER

@@ -24,18 +24,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cli(args: list[str], nproc: int = 1, module: str = "dtrain.run",
-            timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python -m module args` (under torchrun for nproc > 1) with `env` added to the environment."""
+def cli_command(args: list[str], nproc: int = 1, module: str = "dtrain.run",
+                torchrun_args: tuple[str, ...] = ()) -> list[str]:
+    if nproc == 1 and not torchrun_args:
+        return [sys.executable, "-m", module, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+            "127.0.0.1", "--master_port", str(_free_port()), *torchrun_args, "-m", module, *args]
+
+
+def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
     # The repo first, then whatever the caller's path had (packages installed beside the system's).
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
-    if nproc == 1:
-        cmd = [sys.executable, "-m", module, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", module, *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+def run_cli(args: list[str], nproc: int = 1, module: str = "dtrain.run", timeout: float = 600,
+            env: dict[str, str] | None = None, torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`python -m module args` (under torchrun for nproc > 1, or with `torchrun_args`) with `env`
+    added to the environment."""
+    return subprocess.run(cli_command(args, nproc, module, torchrun_args), cwd=REPO, env=cli_env(env),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def scalars(run_dir: Path) -> dict[str, list[float]]:

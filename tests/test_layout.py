@@ -108,8 +108,8 @@ def test_imports_point_one_way_and_never_in_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-ENTRY_POINTS = ["dtrain.run", "tools.bench", "tools.bench_suite", "tools.compare_runs", "tools.hf_convert",
-                "tools.preprocess_data"]
+ENTRY_POINTS = ["dtrain.run", "dtrain.launch", "tools.bench", "tools.bench_suite", "tools.compare_runs",
+                "tools.hf_convert", "tools.preprocess_data", "tools.restart_time"]
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)

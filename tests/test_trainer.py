@@ -6,6 +6,7 @@ from __future__ import annotations
 from dtrain import distributed
 from dtrain.config import load_config
 from dtrain.plan.validate import validate, with_global_batch
+from dtrain.resilience import failures
 from dtrain.trainer import Trainer
 from tests.launch import TINY_ARGS
 
@@ -58,14 +59,14 @@ def test_a_failing_run_aborts_its_gpu_process_group_instead_of_waiting_for_the_o
     # train() takes the error path when the training loop raises, and the error reaches the caller.
     ended = []
     monkeypatch.setattr(train_lib.distributed, "init_process_group",
-                        lambda: distributed.Runtime(0, 1, distributed.torch.device("cpu")))
+                        lambda *args, **kwargs: distributed.Runtime(0, 1, distributed.torch.device("cpu")))
     monkeypatch.setattr(train_lib.distributed, "shutdown", lambda after_error=False: ended.append(after_error))
 
-    def failing_trainer(config, runtime):
+    def failing_trainer(config, runtime, **kwargs):
         raise RuntimeError("a rank failed")
 
-    monkeypatch.setattr("dtrain.trainer.Trainer", failing_trainer)
-    config = with_global_batch(load_config([*TINY_ARGS, "--run-dir", str(tmp_path)]), 1)
+    monkeypatch.setattr(train_lib, "Trainer", failing_trainer)
+    config = with_global_batch(load_config([*TINY_ARGS, "--run-dir", str(tmp_path), "--step-timeout", "0"]), 1)
     try:
         train_lib.train(config)
     except RuntimeError as error:
@@ -73,3 +74,5 @@ def test_a_failing_run_aborts_its_gpu_process_group_instead_of_waiting_for_the_o
     else:
         raise AssertionError("train() swallowed the error")
     assert ended == [True]
+    # The failure is recorded for the next start to judge.
+    assert [f.key for f in failures.read(tmp_path)] == ["RuntimeError: a rank failed"]

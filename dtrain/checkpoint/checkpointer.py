@@ -49,6 +49,7 @@ class Checkpointer:
         self.pending: ckpt.PendingSave | None = None
         self.last_saved: int | None = None
         self.stop_signal: int | None = None
+        self.stop_reason: str | None = None  # what asked this rank to save and stop
         self._old_handlers: dict[int, object] = {}
         # Async saves run DCP's collectives in a background thread: they get their own gloo group so
         # they never interleave with the training collectives of the main thread.
@@ -122,6 +123,11 @@ class Checkpointer:
         if self.stop_signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
         self.stop_signal = signum
+        self.request_stop(signal.Signals(signum).name)
+
+    def request_stop(self, reason: str) -> None:
+        """Saves and stops at the next step boundary (a signal, or a stop request in the run dir)."""
+        self.stop_reason = self.stop_reason or reason
 
     # ---- step boundaries ------------------------------------------------------------------
 
@@ -130,16 +136,15 @@ class Checkpointer:
         trainer checks the step's loss there, so a diverged state is never saved); True when the
         run must stop."""
         total = self.config.train.steps
-        stop, busy = ckpt.all_ranks_max([int(self.stop_signal is not None),
+        stop, busy = ckpt.all_ranks_max([int(self.stop_reason is not None),
                                          int(self.pending is not None and not self.pending.future.done())])
         if self.pending is not None and not busy:
             self._commit_pending()
         if stop:
             before_save()
             path = self.save(step, wait=True)
-            name = signal.Signals(self.stop_signal).name if self.stop_signal else "a stop signal on another rank"
             logger.info("received %s: saved %s at step %d/%d and stopped; continue with --resume",
-                        name, path, step, total)
+                        self.stop_reason or "a stop request on another rank", path, step, total)
             return True
         if self.every and step % self.every == 0 and step < total:
             before_save()

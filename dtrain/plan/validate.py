@@ -17,6 +17,9 @@ from parallel.mesh import MeshSpec
 from parallel.plan import Plan
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     """Every check that needs no memory, so a bad input fails before any work is done."""
     model_cfg = get_model_config(config.model.model, config.model.model_overrides)
@@ -37,9 +40,13 @@ def _check_sizes(config: Config) -> None:
         if value < 1:
             raise UserError(f"{name} {value} must be >= 1")
     for name, value in (("--checkpoint-every", t.checkpoint_every), ("--keep-last", t.keep_last),
-                        ("--eval-every", t.eval_every)):
+                        ("--eval-every", t.eval_every), ("--straggler-every", t.straggler_every)):
         if value < 0:
             raise UserError(f"{name} {value} must be >= 0")
+    # A collective's timeout is a timedelta: no NaN, no infinity (a week is a timeout too).
+    if not (0 < t.init_timeout <= MAX_TIMEOUT_S and 0 <= t.step_timeout <= MAX_TIMEOUT_S):
+        raise UserError(f"--init-timeout {t.init_timeout} and --step-timeout {t.step_timeout} must be seconds in "
+                        f"(0, {MAX_TIMEOUT_S:g}] and [0, {MAX_TIMEOUT_S:g}] (--step-timeout 0: no hang detection)")
     if config.optim.warmup_steps < 0 or config.optim.lr <= 0:
         raise UserError("--lr must be > 0 and --warmup-steps >= 0")
 

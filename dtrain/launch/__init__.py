@@ -1,0 +1,2 @@
+"""Launching dtrain on several nodes: `python -m dtrain.launch slurm ...` inside a SLURM allocation
+(tools/slurm.sbatch runs it), which starts `python -m dtrain.launch node ...` on every node."""

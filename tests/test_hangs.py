@@ -1,0 +1,139 @@
+"""Hangs: the watchdog names the ranks the job waits for, collectives follow the step timeout,
+and a stopped rank ends the run within the step timeout + 30 s (gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+import pytest
+import torch.distributed as dist
+
+from dtrain.resilience import failures
+from dtrain.resilience.heartbeat import Board, Heartbeat
+from dtrain.resilience.watchdog import Watchdog, diagnose, format_ranks, poll_interval
+from tests.launch import REPO, TINY_ARGS, cli_command, cli_env, run_cli
+
+
+def _beat(step: int, phase: str, beat: float) -> dict:
+    return {"step": step, "phase": phase, "beat": beat}
+
+
+def test_the_report_names_stopped_ranks_then_laggards_then_where_the_others_wait():
+    now = 1000.0
+    line, key = diagnose({0: _beat(3, "forward", 999), 1: _beat(3, "data", 980), 2: _beat(3, "forward", 999.5)},
+                         now, stale_after=5)
+    assert line.startswith("rank 1 stopped responding in step 3 (data) or just after: no heartbeat for 20 s")
+    assert "ranks 0, 2 wait in forward of step 3" in line and key == "stopped rank 1 at data"
+    # All alive: the rank still in an earlier phase is the one the others wait for.
+    line, key = diagnose({r: _beat(7, "backward", 999) for r in range(4)} | {2: _beat(7, "data", 999)}, now, 5)
+    assert line.startswith("rank 2 still in data of step 7, behind the others; ranks 0-1, 3 wait in backward")
+    assert key == "behind rank 2 at data"
+    # Everyone at the same place: no rank to blame, a collective that does not complete.
+    line, key = diagnose({0: _beat(2, "sync", 999), 1: _beat(2, "sync", 999)}, now, 5)
+    assert "no rank is behind" in line and key == "collective"
+    line, key = diagnose({0: _beat(2, "sync", 999), 1: None}, now, 5)
+    assert line.startswith("rank 1 never reported a heartbeat") and key == "missing rank 1"
+    assert format_ranks([9, 0, 1, 2, 3, 6, 8]) == "ranks 0-3, 6, 8-9" and format_ranks([4]) == "rank 4"
+    assert poll_interval(120) == 5.0 and poll_interval(10) == 1.0
+
+
+def test_the_watchdog_reports_a_training_thread_that_stops_making_progress(tmp_path):
+    """One rank in this process: its 'training thread' (this test) sits in forward of step 4
+    past the step timeout; the report, the failure record and the stacks must name it."""
+    beat = Heartbeat(rank=0)
+    watchdog = Watchdog(beat, Board(dist.HashStore(), 0), run_dir=tmp_path, world_size=1, init_timeout=30,
+                        step_timeout=2, exit_process=False)
+    watchdog.start()
+    try:
+        watchdog.starting_at(3)
+        beat.begin_step(4)
+        watchdog.step_done(4, seconds=0.1)  # the first step is done: steps now run under --step-timeout
+        beat.phase("forward")
+        deadline = time.monotonic() + 20
+        while watchdog.report is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        watchdog.close()
+    assert watchdog.report is not None and watchdog.limit() == 2
+    assert re.fullmatch(r"hang: rank 0 made no progress for \d+ s in forward of step 4", watchdog.report), \
+        watchdog.report
+    [recorded] = failures.read(tmp_path)
+    assert (recorded.kind, recorded.step, recorded.phase, recorded.key) == ("hang", 4, "forward", "no progress in forward")
+    stacks = (tmp_path / "hangs" / "rank_00000.txt").read_text()
+    assert "test_the_watchdog_reports_a_training_thread" in stacks  # this thread's frame
+
+
+def test_long_phases_and_the_step_after_a_save_run_under_the_init_timeout(tmp_path):
+    timeouts = []
+    watchdog = Watchdog(Heartbeat(0), Board(dist.HashStore(), 0), run_dir=tmp_path, world_size=1,
+                        init_timeout=600, step_timeout=60)
+    watchdog.adopt_groups(["group"], lambda seconds, groups: timeouts.append(seconds))
+    watchdog.starting_at(10)
+    assert watchdog.limit() == 600 and timeouts[-1] == 620  # collectives: the limit + 20 s
+    watchdog.beat.begin_step(11)
+    watchdog.step_done(11, seconds=1.0)
+    assert watchdog.limit() == 60 and timeouts[-1] == 80
+    watchdog.beat.phase("checkpoint")
+    assert watchdog.limit() == 600 and timeouts[-1] == 80  # a phase's own limit; collectives unchanged
+    watchdog.beat.phase("forward")
+    watchdog.relax(until_step=13)  # a save at step 12: rank 0 may commit while the others go on
+    watchdog.step_done(12, seconds=1.0)
+    assert watchdog.limit() == 600 and timeouts[-1] == 620
+    watchdog.step_done(13, seconds=1.0)
+    assert watchdog.limit() == 60 and timeouts[-1] == 80
+
+
+@pytest.mark.slow
+def test_a_groups_collective_timeout_can_be_shortened_once_steps_run():
+    """gloo: groups created with 60 s time out after 2 s once set so (the default group and a
+    subgroup), which is what --step-timeout does to a running job's groups."""
+    result = run_cli([], nproc=2, module="tests.workers.collective_timeout", timeout=300)
+    elapsed = [float(s) for s in re.findall(r"timed out after ([\d.]+) s", result.stdout)]
+    assert len(elapsed) == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert all(1.5 <= s < 6 for s in elapsed), elapsed
+
+
+def _stop_rank_1(run_dir, step_timeout: int) -> tuple[str, float]:
+    """Runs two ranks whose rank 1 stops (SIGSTOP) as step 3 begins; the run must fail. Returns its
+    output and the seconds from the stop to the run's end."""
+    args = [*TINY_ARGS, "--steps", "5", "--run-dir", str(run_dir), "--step-timeout", str(step_timeout)]
+    proc = subprocess.run(cli_command(args, nproc=2), cwd=REPO, env=cli_env({"DTRAIN_FAULT": "hang@rank1:step3"}),
+                          capture_output=True, text=True, timeout=600)
+    ended = time.time()
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    return output, ended - (run_dir / "faults" / "hang@rank1:step3.rank1").stat().st_mtime
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_run_within_the_step_timeout_and_is_named(tmp_path):
+    """hang@rank1:step3 SIGSTOPs rank 1 as step 3 begins; rank 0 waits in its first collective.
+    The run must exit non-zero within --step-timeout + 30 s of the stop, naming rank 1."""
+    output, took = _stop_rank_1(tmp_path, step_timeout=10)
+    assert 10 < took < 10 + 30, (took, output[-3000:])
+    [error] = [line for line in output.splitlines() if line.startswith("dtrain: error: hang:")]
+    # Where rank 1 was when it froze is its last published heartbeat (its watchdog froze with it).
+    assert re.search(r"rank 1 stopped responding in step [0-3] \(\w+\) or just after", error), error
+    assert "rank 0 waits in forward of step 3" in error, error
+    assert "frozen, it cannot take torchrun's SIGTERM" in output  # killed: torchrun need not wait 30 s
+    [record] = [json.loads(line) for line in (tmp_path / "failures" / "rank_00000.jsonl").read_text().splitlines()]
+    assert record["kind"] == "hang" and record["step"] == 3 and record["key"].startswith("stopped rank 1 at ")
+    assert "most recent call first" in (tmp_path / "hangs" / "rank_00000.txt").read_text()
+
+
+@pytest.mark.gpu
+def test_a_stopped_rank_on_nccl_is_named_and_its_flight_recorder_written(tmp_path):
+    """Two GPUs: the same stop as above, on NCCL (the host waits on an event that releases the
+    GIL, so the watchdog runs). With the report, rank 0 writes NCCL's flight recorder."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    output, took = _stop_rank_1(tmp_path, step_timeout=20)
+    assert 20 < took < 20 + 30, (took, output[-3000:])
+    assert re.search(r"hang: rank 1 stopped responding in step \d", output), output[-3000:]
+    dumps = sorted(p.name for p in (tmp_path / "flight_recorder").iterdir())
+    assert "rank_0" in dumps, (dumps, output[-3000:])

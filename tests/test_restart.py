@@ -1,0 +1,103 @@
+"""Automatic restarts under torchrun --max-restarts: a rank killed mid-run restarts every rank from
+the latest checkpoint with the losses of an uninterrupted run, bit for bit; a failure that comes
+back at the same step stops the job instead of spending its restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dtrain.resilience import failures
+from dtrain.resilience.failures import Failure
+from tests.launch import TINY_ARGS, run_cli, scalars
+
+
+def _failure(attempt, step=5, kind="lost", key="lost: rank 1 exited", rank=0, at=0.0) -> Failure:
+    return Failure(rank, step, "forward", kind, f"rank {rank} failed", key, attempt=attempt, time=at)
+
+
+def test_the_cause_of_an_attempt_and_when_two_attempts_failed_alike():
+    # A rank's own error outranks the lost peers the others saw, whatever was written first.
+    oom = _failure((0, 1), kind="error", key="OutOfMemoryError: CUDA out of memory", rank=1, at=2.0)
+    assert failures.cause([_failure((0, 1), at=1.0), oom]) == oom
+    first = [_failure((0, 0)), _failure((0, 0), kind="error", key="ValueError: bad sample #", rank=1)]
+    again = [_failure((0, 1)), _failure((0, 1), kind="error", key="ValueError: bad sample #", rank=1)]
+    assert failures.repeated(first + again) is not None
+    assert failures.repeated(first) is None  # one attempt is no repetition
+    assert failures.repeated(first + [_failure((0, 1), step=6)]) is None  # another step: progress was made
+    assert failures.repeated(first + [_failure((0, 1), kind="hang", key="stopped rank 1 at data")]) is None
+    # Only the last two attempts count: a job that got past a failure is judged afresh.
+    assert failures.repeated(first + [_failure((0, 1), step=9)] + [_failure((1, 0), step=9)]) is not None
+
+
+def test_errors_are_classified_without_their_volatile_numbers():
+    lost = failures.from_error(RuntimeError("[gloo/pair.cc:534] Connection closed by peer [127.0.0.1]:6421"), 0, 5,
+                               "forward")
+    assert lost.kind == "lost" and lost.key == "lost: RuntimeError: [gloo/pair.cc:#] Connection closed by peer [#.#.#.#]:#"
+    named = failures.from_error(RuntimeError("Connection closed by peer"), 0, 5, "forward",
+                                lost=("rank 1 (pid 77, last heard of in step 5, data) exited", "rank 1 exited"))
+    assert named.key == "lost: rank 1 exited" and named.what.endswith("lost its peers: rank 1 (pid 77, last "
+                                                                      "heard of in step 5, data) exited")
+    oom = failures.from_error(MemoryError("tried to allocate 2.50 GiB on rank 3"), 3, 7, "backward")
+    assert (oom.kind, oom.key) == ("error", "MemoryError: tried to allocate #.# GiB on rank #")
+    assert failures.from_error(failures.Terminated("SIGTERM"), 0, 3, "init").kind == "lost"
+
+
+def test_unreadable_records_are_skipped_not_fatal(tmp_path):
+    failures.record(tmp_path, _failure((0, 0)))
+    with open(tmp_path / "failures" / "rank_00001.jsonl", "w") as f:
+        f.write('{"rank": 1, "step": "x"}\n{"attempt": "zz", "kind": "error"}\n\x00\xff garbage\n{"half": ')
+    assert [f.rank for f in failures.read(tmp_path)] == [0]
+
+
+def test_a_fresh_start_sets_the_record_aside_and_a_restart_after_two_alike_stops(tmp_path, monkeypatch):
+    for attempt in ((0, 0), (0, 1)):
+        failures.record(tmp_path, _failure(attempt))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    with pytest.raises(failures.JobFailure, match=r"failed the same way in two attempts in a row, at step 5: "
+                                                  r"rank 0 failed; another restart would fail again") as info:
+        failures.check_start(tmp_path)
+    assert "\n" not in str(info.value)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")  # a person starts the job again: a new record
+    failures.check_start(tmp_path)
+    assert failures.read(tmp_path) == []
+    assert sorted(p.name for p in (tmp_path / "failures.previous").iterdir()) == ["rank_00000.jsonl"]
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeued job is a restart too
+    failures.check_start(tmp_path)  # nothing recorded since the fresh start
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # two start-ups of two processes
+def test_a_rank_killed_mid_run_restarts_every_rank_from_the_latest_checkpoint_bit_for_bit(tmp_path, dp2_run):
+    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "2", "--resume"]
+    result = run_cli(args, nproc=2, torchrun_args=("--max-restarts", "1"), env={"DTRAIN_FAULT": "crash@rank1:step5"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "fault injection: crash@rank1:step5" in result.stdout
+    assert "resumed from" in result.stdout and "step_000004 at step 4" in result.stdout, result.stdout[-3000:]
+    # Steps 1-4 from the first attempt, 5-10 from the restart (TensorBoard dropped what came after 4).
+    assert scalars(tmp_path)["train/loss"] == dp2_run["train/loss"]
+    [record] = [json.loads(line) for line in (tmp_path / "failures" / "rank_00000.jsonl").read_text().splitlines()]
+    assert (record["kind"], record["step"], record["key"], record["attempt"]) == ("lost", 5, "lost: rank 1 exited", [0, 0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # two start-ups of two processes
+def test_a_failure_that_comes_back_at_the_same_step_stops_the_restarts(tmp_path):
+    """Rank 1 crashes at step 3 in every attempt (tests.workers.crash_every_time). Attempt 0 saves
+    step 2 and fails; attempt 1 resumes from it and fails alike; attempt 2 stops at once with one
+    line, before importing torch, and so does attempt 3, the last torchrun allows."""
+    args = [*TINY_ARGS, "--steps", "4", "--run-dir", str(tmp_path), "--checkpoint-every", "2", "--resume"]
+    result = run_cli(args, nproc=2, module="tests.workers.crash_every_time", torchrun_args=("--max-restarts", "3"),
+                     env={"DTRAIN_FAULT": "crash@rank1:step3"})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert output.count("fault injection: crash@rank1:step3") == 2, output[-5000:]  # not 4
+    stops = [line for line in output.splitlines() if "failed the same way in two attempts in a row" in line]
+    assert len(stops) == 2 and stops[0].startswith("dtrain: error: the job failed the same way"), output[-5000:]
+    assert "at step 3: rank 0 at step 3" in stops[0] and "rank 1" in stops[0], stops[0]
+    recorded = failures.read(tmp_path)
+    assert {tuple(f.attempt) for f in recorded} == {(0, 0), (0, 1)} and {f.step for f in recorded} == {3}
+    assert "step 4/4" not in output
+    assert not os.path.exists(tmp_path / "checkpoints" / "step_000004")

@@ -1,0 +1,51 @@
+"""Stragglers: each rank's forward compute time, compared with the median of its peers; a rank
+that stays slower is named, and the step's numbers do not change."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dtrain.resilience.stragglers import StragglerReport
+from tests.launch import TINY_ARGS, run_cli, scalars
+
+
+def test_a_rank_is_named_after_three_slow_checks_in_a_row_and_only_then():
+    report = StragglerReport()
+    ratio, warnings = report.check(10, [1.0, 1.5], [0, 0])
+    # The lower middle value is the median: with two ranks the slow one meets the other, not their mean.
+    assert ratio == 1.5 and warnings == []
+    assert report.check(20, [1.0, 1.5], [0, 0])[1] == []
+    report.check(30, [1.0, 1.1], [0, 0])  # back to normal: the count starts again
+    for step in (40, 50):
+        assert report.check(step, [1.0, 1.0, 1.0, 2.0], [0, 0, 0, 0])[1] == []
+    ratio, [warning] = report.check(60, [1.0, 1.0, 1.0, 2.0], [0, 0, 0, 0])
+    assert ratio == 2.0 and warning.startswith("straggler: rank 3 computed 2.00x the median time of its peers "
+                                               "at the last 3 checks (steps 40, 50, 60)")
+    assert report.check(70, [1.0, 1.0, 1.0, 2.0], [0, 0, 0, 0])[1] == []  # named once per episode
+
+
+def test_pipeline_stages_are_compared_with_the_same_stage_of_other_pipelines():
+    # Stage 1 (blocks and the head) takes longer than stage 0 on every rank: nobody straggles.
+    ratio, _ = StragglerReport().check(5, [1.0, 3.0, 1.0, 3.0], [0, 1, 0, 1])
+    assert ratio == 1.0
+    ratio, _ = StragglerReport().check(5, [1.0, 3.0, 1.0, 4.5], [0, 1, 0, 1])
+    assert ratio == 1.5
+
+
+@pytest.mark.slow
+def test_a_slow_rank_is_named_and_the_losses_do_not_change(tmp_path, dp2_run):
+    """Rank 1's layers each take 30 ms longer (tests.workers.slow_rank), a straggler check every
+    2 steps: the ratio is logged at steps 2..10 and rank 1 is named at the third check."""
+    result = run_cli([*TINY_ARGS, "--run-dir", str(tmp_path), "--straggler-every", "2"], nproc=2,
+                     module="tests.workers.slow_rank",
+                     env={"DTRAIN_TEST_SLOW_RANK": "1", "DTRAIN_TEST_SLOW_SECONDS": "0.03"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = scalars(tmp_path)
+    assert run["train/loss"] == dp2_run["train/loss"]  # timing only: not one bit of the numbers moves
+    ratios = run["perf/straggler_ratio"]
+    # Rank 1's forward: 4 layers x 2 micro-batches x 30 ms on top of the same work as rank 0's.
+    assert len(ratios) == 5 and min(ratios) > 1.5, ratios
+    warnings = [line for line in result.stdout.splitlines() if "straggler: rank" in line]
+    assert len(warnings) == 1 and re.search(r"straggler: rank 1 computed [\d.]+x .* \(steps 2, 4, 6\)", warnings[0])
