@@ -170,16 +170,20 @@ def _chunked_matmul_reduce_scatter(pairs: list[tuple[torch.Tensor, torch.Tensor]
     s = seq_major[0].shape[0] // n
     by_rank = [a.view(n, s, *a.shape[1:]) if a.is_contiguous() else a.reshape(n, s, *a.shape[1:])
                for a in seq_major]
-    pending = []
-    for start, stop in chunk_bounds(s, n):
+    pending, bounds = [], chunk_bounds(s, n)
+    for start, stop in bounds:
         # Each rank's chunk of the partial sums, ranks outermost: the reduce-scatter's layout.
         partial = None
         for a, (_, b) in zip(by_rank, pairs):
             term = a[:, start:stop] @ b
             partial = term if partial is None else partial.add_(term)
         pending.append(_c10d.reduce_scatter_tensor(partial, "sum", n, group.name))  # overlaps the next chunk
-    pieces = [_c10d.wait_tensor(p).squeeze(0) for p in pending]
-    return _batch_major(torch.cat(pieces))
+    # Contiguous [batch, s, n], as torch's fused op returns it: the residual stream it joins is
+    # sent between pipeline stages, whose receive buffers must be contiguous.
+    out = pairs[0][0].new_empty(seq_major[0].shape[1], s, pairs[0][1].shape[1])
+    for (start, stop), piece in zip(bounds, pending):
+        out[:, start:stop] = _batch_major(_c10d.wait_tensor(piece).squeeze(0))
+    return out
 
 
 def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], group: TpGroup, method: str):

@@ -78,6 +78,8 @@ def check_linear_reduce_scatter(batch, seq, k, out_dim):
     fn = maybe_compiled(lambda h_, w_: LinearReduceScatter.apply(h_, group, method, w_))
     out = fn(h_shard, w_shard)
     torch.testing.assert_close(out, shard(F.linear(h, weight), 1), **tol)
+    # It joins the residual stream, which pipeline stages send: their buffers must be contiguous.
+    assert out.is_contiguous(), out.stride()
     out.backward(shard(upstream, 1).contiguous())
     torch.testing.assert_close(h_shard.grad, shard(h_ref.grad, 2), **tol)
     torch.testing.assert_close(w_shard.grad, shard(w_ref.grad, 1), **tol)
