@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtrain.config import Config
 from models import families
 from models.config import LlamaConfig
-from parallel import pipeline, precision, recompute
+from parallel import pipeline, precision, recompute, tensor_parallel
 from parallel.context import ParallelContext
 from parallel.mesh import MeshSpec
 from parallel.modules import ModelModule
@@ -50,6 +50,14 @@ def loss_reduction_groups(mesh: DeviceMesh, mesh_spec: MeshSpec) -> list:
     return [mesh.get_group(dim) for dim in ("dp_shard", "dp_replicate", "cp", "pp") if getattr(mesh_spec, dim) > 1]
 
 
+def tp_overlap_method(config: Config, mesh_spec: MeshSpec) -> str | None:
+    """What --tp-overlap resolves to on this machine (tensor_parallel.resolve_method)."""
+    p = config.parallel
+    return tensor_parallel.resolve_method(p.tp_overlap, sequence_parallel=p.sequence_parallel, tp=mesh_spec.tp,
+                                          device_type="cuda" if torch.cuda.is_available() else "cpu",
+                                          async_tp=p.async_tp)
+
+
 def build_model_parts(config: Config, model_cfg: LlamaConfig, plan: Plan, mesh: DeviceMesh, *,
                       expert_mesh: DeviceMesh | None, device: torch.device, ep_dispatch: str | None,
                       fp8_linear=None) -> ModelParts:
@@ -62,7 +70,8 @@ def build_model_parts(config: Config, model_cfg: LlamaConfig, plan: Plan, mesh: 
     options = dict(
         plan=plan, mesh=mesh, device=device, seed=t.seed, compute_dtype=COMPUTE_DTYPES[t.precision],
         recompute_mode=t.recompute, full_recompute=recompute.full_recompute_blocks(counts, t.recompute_layers),
-        compile_blocks=t.compile, async_tp=p.async_tp, cp_method=p.cp_comm, expert_mesh=expert_mesh,
+        compile_blocks=t.compile, async_tp=p.async_tp, tp_overlap=tp_overlap_method(config, mesh_spec),
+        cp_method=p.cp_comm, expert_mesh=expert_mesh,
         ep_dispatch=ep_dispatch or "alltoall",
         fp8_linear=fp8_linear,
         fp8_layers=precision.fp8_blocks(model_cfg.num_layers, t.fp8_keep_ends), fp8_head=t.fp8_head,

@@ -30,8 +30,14 @@ class ParallelArgs:
                            "planner's best mesh, micro-batch, recompute and offload for the world size (python -m "
                            "dtrain.plan shows the candidates)")
     sequence_parallel: bool = _field(False, "split norms and residuals over tp along the sequence")
-    async_tp: bool = _field(False, "overlap tp all-gathers/reduce-scatters with matmuls (needs --compile, "
-                                   "--sequence-parallel and CUDA)")
+    tp_overlap: str = _field("auto", "under --sequence-parallel, fuse each all-gather (reduce-scatter) with the "
+                                     "matmul that consumes (produces) it: symm_mem (torch's symmetric-memory "
+                                     "ops, CUDA), chunked (the sequence cut into tp chunks whose collectives "
+                                     "overlap the previous chunk's matmul), none (separate collectives); auto: "
+                                     "symm_mem on CUDA, chunked elsewhere, none under --async-tp",
+                             choices=("auto", "symm_mem", "chunked", "none"))
+    async_tp: bool = _field(False, "let inductor fuse tp all-gathers/reduce-scatters with matmuls (needs --compile, "
+                                   "--sequence-parallel and CUDA; --tp-overlap does this without inductor)")
     cp_comm: str = _field("allgather", "context-parallel attention: all-gather K/V, a ring of K/V "
                           "blocks, or all-to-all to head shards (Ulysses)", choices=("allgather", "ring", "a2a"))
     ep_dispatch: str = _field("auto", "how ep sends tokens to their experts: an all-to-all of uneven splits "

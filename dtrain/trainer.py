@@ -28,7 +28,7 @@ from dtrain.resilience.stop_request import StopRequest
 from dtrain.resilience.stragglers import Stragglers
 from dtrain.resilience.watchdog import Watchdog
 from models import families, flops, llama, masking, moe, mtp, spec
-from parallel import context_parallel, pipeline, precision
+from parallel import context_parallel, pipeline, precision, tensor_parallel
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
 from parallel.delayed_scaling import amax_reduction_dims
 from parallel.expert_parallel import choose_dispatch, max_ranks_per_token
@@ -152,6 +152,7 @@ class Trainer:
         built = build_model_parts(self.config, self.model_cfg, self.plan, self.mesh, expert_mesh=self.expert_mesh,
                                   device=self.runtime.device, ep_dispatch=self.ep_dispatch,
                                   fp8_linear=self.fp8)
+        self._log_tp_overlap()
         if self.mesh_spec.pp == 1:
             return built.parts, built.ctx, None, None
         p = self.config.parallel
@@ -181,6 +182,17 @@ class Trainer:
         return precision.fp8_backend(t.fp8, t.fp8_backend, self.runtime.device, float8_all_gather=t.fp8_all_gather,
                                      amax_groups=groups, grad_scale=self.loss_scale,
                                      amax_history_len=t.fp8_amax_history)
+
+    def _log_tp_overlap(self) -> None:
+        method = build.tp_overlap_method(self.config, self.mesh_spec)
+        if method is None or not self.runtime.is_main:
+            return
+        t = self.config.train
+        fp8_blocks = precision.fp8_blocks(self.model_cfg.num_layers, t.fp8_keep_ends)
+        unfused = tensor_parallel.unfused_matmuls(self.plan, fp8=t.fp8 is not None and bool(fp8_blocks),
+                                                  fp8_head=t.fp8_head)
+        logger.info("tp overlap: %s%s", method,
+                    "; separate collectives for " + ", ".join(unfused) + " matmuls" if unfused else "")
 
     def parameters(self):
         return [param for part in self.model_parts for param in part.parameters()]

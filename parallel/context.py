@@ -14,8 +14,7 @@ from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.context import LocalContext, causal_attention
@@ -24,6 +23,8 @@ from parallel import masked_attention
 from parallel.context_parallel import WHOLE_ROW, context_parallel_attention, mask_sites
 from parallel.expert_parallel import ExpertParallelContextMixin
 from parallel.plan import Plan
+from parallel.tensor_parallel import (SEQ_DIM, AllGatherLinear, LinearReduceScatter, TpGroup,
+                                      VocabParallelCrossEntropySum)
 
 logger = logging.getLogger("dtrain")
 
@@ -100,6 +101,11 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         self.cp_method = cp_method
         self.ep_group = expert_mesh.get_group("ep") if expert_mesh is not None else None
         self.fp8_linear = None
+        tp = mesh.get_group("tp") if "tp" in dims else None
+        self.tp_group = TpGroup(tp.group_name, tp.size(), tp.rank()) if tp is not None else None
+        # How sequence-parallel matmuls gather and scatter (parallel/tensor_parallel.py): "symm_mem",
+        # "chunked", or None for DTensor's separate collectives; set where the plan overlaps.
+        self.tp_overlap: str | None = None
         # Ranks holding other tokens of the same samples: cp always, tp inside `per_token`.
         self.token_shard_groups = [mesh.get_group(dim) for dim in ("cp", "tp") if getattr(plan.mesh_spec, dim) > 1]
 
@@ -110,6 +116,10 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         return ctx
 
     def linear(self, x, weight):
+        overlapped = self._overlapped_linear(x, [weight])
+        if overlapped is not None:
+            return overlapped[0]
+        x = self._gathered(x)
         if self.fp8_linear is None:
             return F.linear(x, weight)
         if getattr(self.fp8_linear, "on_local_shards", False) and isinstance(weight, DTensor):
@@ -133,6 +143,41 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         grad_placements = [Partial() if p.is_shard(0) else q for p, q in zip(weight.placements, wanted)]
         out = self.fp8_linear(x.to_local(grad_placements=grad_placements), weight.to_local())
         return DTensor.from_local(out, mesh, out_placements, run_check=False)
+
+    def linear_many(self, x, weights):
+        overlapped = self._overlapped_linear(x, weights)
+        if overlapped is not None:
+            return overlapped
+        return super().linear_many(self._gathered(x), weights)
+
+    def _overlapped_linear(self, x, weights) -> list[DTensor] | None:
+        """The matmuls with their sequence-parallel collectives fused in, where the layouts are
+        the two they fuse: sequence-sharded input times column-parallel weights (one gather for
+        all of them), or feature-sharded input times one row-parallel weight (reduce-scattered
+        onto sequence shards). None elsewhere: FP8 blocks (torchao's matmuls own their casts and
+        backward) and weights whole on every tp rank take DTensor's collectives."""
+        if self.tp_overlap is None or self.fp8_linear is not None or x.ndim != 3:
+            return None
+        x_placement = _tp_placement(x)
+        if x_placement is None or x.shape[SEQ_DIM] % self.tp_group.size:
+            return None
+        placements = [_tp_placement(w) for w in weights]
+        mesh = x.device_mesh
+        if x_placement == Shard(SEQ_DIM) and all(p == Shard(0) for p in placements):
+            outs = AllGatherLinear.apply(x.to_local(), self.tp_group, self.tp_overlap, *(w.to_local() for w in weights))
+            return [DTensor.from_local(out, mesh, _on_tp(mesh, Shard(2)), run_check=False) for out in outs]
+        if x_placement == Shard(2) and placements == [Shard(1)]:
+            out = LinearReduceScatter.apply(x.to_local(), self.tp_group, self.tp_overlap, weights[0].to_local())
+            return [DTensor.from_local(out, mesh, _on_tp(mesh, Shard(SEQ_DIM)), run_check=False)]
+        return None
+
+    @staticmethod
+    def _gathered(x):
+        """`x` whole along the sequence: under an overlapping plan the blocks' matmul inputs arrive
+        sequence-sharded, and a matmul that does not gather them itself needs them gathered."""
+        if _tp_placement(x) != Shard(SEQ_DIM):
+            return x
+        return x.redistribute(x.device_mesh, _on_tp(x.device_mesh, Replicate()))
 
     def _concatenated_linear(self, x, weights):
         if self.fp8_linear is not None:
@@ -211,15 +256,13 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
     def cross_entropy_sum(self, logits, labels):
         if not isinstance(logits, DTensor):
             return super().cross_entropy_sum(logits, labels)
-        replicated = [Replicate()] * logits.device_mesh.ndim
-        labels = DTensor.from_local(labels, logits.device_mesh, replicated, run_check=False)
-        # Under kernel_scope's loss_parallel the vocab stays split: each rank reduces over its
-        # slice and full logits never exist on one rank.
-        loss = F.cross_entropy(
-            logits.flatten(0, -2).float(), labels.flatten(), reduction="sum", ignore_index=-100
-        )
-        # A copy, not the view to_local gives: FSDP hooks the module output for its backward.
-        return loss.to_local().clone() if isinstance(loss, DTensor) else loss
+        if _tp_placement(logits) == Shard(logits.ndim - 1):
+            # The vocab stays split: each rank reduces over its slice and full logits never exist
+            # on one rank. Shards as torch.chunk cuts them (DTensor's Shard): the first ones larger.
+            vocab, ranks = logits.shape[-1], self.tp_group.size
+            vocab_start = min(self.tp_group.rank * -(-vocab // ranks), vocab)
+            return VocabParallelCrossEntropySum.apply(logits.to_local(), labels, vocab_start, self.tp_group)
+        return super().cross_entropy_sum(logits.full_tensor(), labels)
 
     def per_token(self, fn, params, x):
         if not isinstance(x, DTensor):
@@ -249,11 +292,25 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
 
     @contextlib.contextmanager
     def kernel_scope(self):
-        """Wraps forward and backward: kernel preferences (read when torch.compile traces too)
-        and vocab-parallel cross-entropy, whose backward must run inside the same scope."""
+        """Wraps forward and backward: kernel preferences (read when torch.compile traces too)."""
         with contextlib.ExitStack() as stack:
             if torch.cuda.is_available():
                 stack.enter_context(sdpa_kernel(CUDA_ATTENTION_PRIORITY, set_priority=True))
-            if self.activation_mesh is not None:
-                stack.enter_context(loss_parallel())
             yield
+
+
+def _tp_placement(t) -> Placement | None:
+    """The placement of `t` on the tp mesh dim, for a DTensor that lives on it and is replicated
+    over any other dim; None otherwise."""
+    names = t.device_mesh.mesh_dim_names if isinstance(t, DTensor) else None
+    if not names or "tp" not in names:
+        return None
+    index = names.index("tp")
+    if any(not p.is_replicate() for i, p in enumerate(t.placements) if i != index):
+        return None
+    return t.placements[index]
+
+
+def _on_tp(mesh: DeviceMesh, placement: Placement) -> list[Placement]:
+    """`placement` on the tp dim of `mesh`, replicated over the others."""
+    return [placement if name == "tp" else Replicate() for name in mesh.mesh_dim_names]

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models import spec
-from parallel import data_parallel, precision, recompute
+from parallel import data_parallel, precision, recompute, tensor_parallel
 from parallel.context import ParallelContext
 from parallel.modules import ModelModule
 from parallel.plan import Plan
@@ -18,7 +18,7 @@ from parallel.plan import Plan
 
 def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, device: torch.device,
                 seed: int, compute_dtype: torch.dtype, recompute_mode: str = "none",
-                compile_blocks: bool = False, async_tp: bool = False,
+                compile_blocks: bool = False, async_tp: bool = False, tp_overlap: str | None = None,
                 cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None, ep_dispatch: str = "alltoall",
                 fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fp8_head: bool = False,
                 fuse_projections: bool = False, reshard_mode: str = "default", attention_kernel: str = "auto",
@@ -35,6 +35,11 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
     ctx.ep_dispatch = ep_dispatch
     if async_tp:
         enable_async_tp(mesh)
+    if plan.overlaps_tp:
+        # Without a method the blocks' inputs are gathered on their own before their matmuls.
+        ctx.tp_overlap = tp_overlap
+        if tp_overlap == "symm_mem":
+            tensor_parallel.enable_symmetric_memory(ctx.tp_group)
     param_mesh = mesh[plan.param_mesh_dims] if plan.param_mesh_dims else None
 
     def make_param(path: str, param: spec.ParamSpec) -> nn.Parameter:

@@ -43,7 +43,8 @@ DEFAULT_PARAM_RULES: dict[str, MeshAxes] = {
 DEFAULT_ACTIVATION_RULES: dict[str, dict[str, MeshAxes]] = {
     "input": {},                       # token ids, replicated over tp
     "residual": {},                    # residual stream and norms
-    "block_input": {},                 # normed input of attention / MLP, gathered over tp
+    "block_input": {},                 # normed input of the column-parallel matmuls: gathered over tp,
+                                       # or left on sequence shards for matmuls that gather it themselves
     "attention": {"heads": "tp", "kv_heads": "tp"},
     "logits": {"vocab": "tp"},         # vocab-parallel logits and loss
 }
@@ -107,7 +108,7 @@ class Plan:
 
     @classmethod
     def build(cls, mesh_spec: MeshSpec, *, sequence_parallel: bool = False,
-              num_kv_heads: int | None = None) -> Plan:
+              num_kv_heads: int | None = None, tp_overlap: bool = False) -> Plan:
         plan = cls(mesh_spec)
         if num_kv_heads is not None and mesh_spec.tp > num_kv_heads:
             # Fewer KV heads than tp ranks: keep K/V projections whole on every rank; attention
@@ -117,6 +118,10 @@ class Plan:
             # Megatron SP: norms and residuals run on sequence shards; all-gather into the TP
             # regions and reduce-scatter out of them instead of one all-reduce.
             plan = plan.with_rules(activations={"residual": {"seq": "tp"}})
+            if tp_overlap:
+                # The column-parallel matmuls gather their input while they multiply, and the
+                # row-parallel ones scatter their output as it is produced (tensor_parallel.py).
+                plan = plan.with_rules(activations={"block_input": {"seq": "tp"}})
         return plan
 
     def with_rules(self, *, params: Rules | None = None,
@@ -135,6 +140,11 @@ class Plan:
     @property
     def sequence_parallel(self) -> bool:
         return self.activation_rules["residual"].get("seq") is not None and self.mesh_spec.tp > 1
+
+    @property
+    def overlaps_tp(self) -> bool:
+        """Whether the matmuls' inputs stay sequence-sharded for matmuls that gather them."""
+        return self.sequence_parallel and self.activation_rules["block_input"].get("seq") is not None
 
     def _active(self, dims: tuple[str, ...]) -> tuple[str, ...]:
         """The dims of `dims` that have more than one rank, in mesh order."""
@@ -248,7 +258,8 @@ class Plan:
         lines = [f"mesh: {self.mesh_spec} (world size {self.mesh_spec.world_size})",
                  "rules: " + ", ".join(f"{a}->{_axes_text(m)}" for a, m in self.param_rules.items())]
         if self.sequence_parallel:
-            lines.append("sequence parallel: residual stream split over tp along seq")
+            lines.append("sequence parallel: residual stream split over tp along seq" + (
+                "; all-gathers and reduce-scatters fused with the matmuls" if self.overlaps_tp else ""))
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         return "\n".join(lines)
 

@@ -22,6 +22,10 @@ try:  # registers torch's variable-length attention op (torch >= 2.10), named be
     import torch.nn.attention.varlen  # noqa: F401
 except ImportError:
     pass
+try:  # registers the symmetric-memory matmuls of overlapped tensor parallelism, named below
+    import torch.distributed._symmetric_memory  # noqa: F401
+except ImportError:
+    pass
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -52,6 +56,12 @@ _SAVED_OPS = {
     _c10d.all_to_all_single.default,
     _c10d.wait_tensor.default,
     torch.ops._c10d_functional_autograd.all_to_all_single.default,
+    # Tensor parallelism's matmuls with their all-gather or reduce-scatter fused in
+    # (parallel/tensor_parallel.py): both a GEMM and a collective.
+    *(getattr(torch.ops.symm_mem, name).default for name in
+      ("fused_all_gather_matmul", "fused_matmul_reduce_scatter",
+       "fused_all_gather_scaled_matmul", "fused_scaled_matmul_reduce_scatter")
+      if hasattr(torch.ops.symm_mem, name)),
     # Masked attention (parallel/masked_attention.py): FlexAttention, and variable-length flash
     # attention through torch (its custom op, named per torch version, and the kernel under it).
     torch.ops.higher_order.flex_attention,

@@ -91,6 +91,11 @@ def test_suite_selects_by_gpu_count_and_name():
     assert bench_suite.selected(0, []) == ["cpu tiny"]
     cp_runs = bench_suite.selected(2, ["cp="])
     assert cp_runs and all("cp=" in name for name in cp_runs)
+    for group, members in bench_suite.GROUPS.items():
+        assert bench_suite.selected(2, [], group) == [name for name in bench_suite.SUITE if name in members]
+        assert set(members) <= set(bench_suite.SUITE), f"{group}: {set(members) - set(bench_suite.SUITE)}"
+    assert bench_suite.selected(2, ["70b"], "tp-overlap") == [
+        "llama-70b-4l dp=2", "llama-70b-4l tp=2", "llama-70b-4l tp=2 sp", "llama-70b-4l tp=2 sp unfused"]
 
 
 def test_every_suite_setup_is_a_valid_command():
@@ -123,7 +128,17 @@ def test_gpu_busy_summary_merges_overlapping_kernels_per_kind():
     events = [kernel("gemm", 0, 300), kernel("silu", 250, 400), kernel("add", 600, 700),
               kernel("ncclDevKernel_SendRecv", 300, 500), kernel("aten::mm", 0, 1000, DeviceType.CPU),
               kernel("copy", 900, 1000)]
-    summary = bench.gpu_busy_summary(events, wall_s=1e-3)
+    summary, exposed_pct = bench.gpu_busy_summary(events, wall_s=1e-3)
     assert "compute kernels running: 0.6 ms (60.0%)" in summary
     assert "communication kernels running: 0.2 ms (20.0%)" in summary
     assert "no kernel running: 0.3 ms (30.0%)" in summary
+    # NCCL's [300, 500) has compute beside it until 400: [400, 500) is exposed.
+    assert "(exposed): 0.1 ms (10.0%)" in summary and abs(exposed_pct - 10.0) < 1e-9
+
+
+def test_symmetric_memory_copies_count_as_communication():
+    assert bench.is_communication("Memcpy PtoP (Device -> Device)")
+    assert bench.is_communication("Memcpy DtoD (Device -> Device)")
+    assert bench.is_communication("ncclDevKernel_AllGather_RING_LL")
+    assert not bench.is_communication("Memcpy HtoD (Pinned -> Device)")
+    assert not bench.is_communication("sm90_xmma_gemm_bf16bf16_bf16f32")

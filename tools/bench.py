@@ -37,6 +37,9 @@ SHAPES = {
     "llama-1b": ["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "4"],
     "llama-3b": ["--model", "llama3.2-3b", "--seq-len", "8192", "--micro-batch", "1"],
     "llama-8b": ["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1"],
+    # Four layers of Llama-3-70B (d=8192, FFN 28672, 64/8 heads): its matmul shapes on two GPUs.
+    "llama-70b-4l": ["--model", "llama3-70b", "--model-overrides", "num_layers=4", "--seq-len", "8192",
+                     "--micro-batch", "1"],
     "mixtral-small": ["--model", "mixtral-small", "--seq-len", "4096", "--micro-batch", "2"],
     # 15.7B parameters: fp32 master weights and AdamW (16 bytes/param) are ~126 GB per GPU over two,
     # which leaves little of an H200 for activations; `--model-overrides num_layers=14` keeps the
@@ -87,23 +90,35 @@ def _covered_us(intervals: list[tuple[float, float]]) -> float:
     return covered
 
 
-def gpu_busy_summary(events, wall_s: float) -> str:
+def is_communication(kernel_name: str) -> bool:
+    """NCCL's kernels, and the GPU-to-GPU copies of symmetric memory (tensor parallelism's fused
+    all-gather and reduce-scatter matmuls move shards as device-to-device or peer copies)."""
+    name = kernel_name.lower()
+    return "nccl" in name or name.startswith(("memcpy dtod", "memcpy ptop"))
+
+
+def gpu_busy_summary(events, wall_s: float) -> tuple[str, float]:
     """How much of the profiled wall time some GPU kernel ran, for compute and for communication
-    (NCCL) kernels apart: the time neither covers is the GPU waiting for the host."""
+    kernels apart (the time neither covers is the GPU waiting for the host), and how much of it
+    communication ran with no compute beside it: the exposed communication, returned as a
+    percentage of the wall time with the text."""
     from torch.autograd import DeviceType
 
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     spans = {kind: [(e.time_range.start, e.time_range.end) for e in kernels
-                    if ("nccl" in e.name.lower()) == (kind == "communication")]
+                    if is_communication(e.name) == (kind == "communication")]
              for kind in ("compute", "communication")}
     wall_us = wall_s * 1e6
     lines = [f"profiled wall time: {wall_s * 1e3:.1f} ms"]
     for kind, intervals in spans.items():
         covered = _covered_us(intervals)
         lines.append(f"{kind} kernels running: {covered / 1e3:.1f} ms ({100 * covered / wall_us:.1f}%)")
-    idle = wall_us - _covered_us(spans["compute"] + spans["communication"])
-    lines.append(f"no kernel running: {idle / 1e3:.1f} ms ({100 * idle / wall_us:.1f}%)")
-    return "\n".join(lines) + "\n"
+    busy = _covered_us(spans["compute"] + spans["communication"])
+    exposed = busy - _covered_us(spans["compute"])
+    lines.append(f"communication with no compute beside it (exposed): {exposed / 1e3:.1f} ms "
+                 f"({100 * exposed / wall_us:.1f}%)")
+    lines.append(f"no kernel running: {(wall_us - busy) / 1e3:.1f} ms ({100 * (wall_us - busy) / wall_us:.1f}%)")
+    return "\n".join(lines) + "\n", 100 * exposed / wall_us
 
 
 class Profiler:
@@ -112,6 +127,7 @@ class Profiler:
     def __init__(self, out_dir: Path | None, first_step: int):
         self.out_dir, self.first_step, self.profiler = out_dir, first_step, None
         self.started = 0.0
+        self.exposed_communication_pct: float | None = None
 
     def __call__(self, step: int) -> None:
         import torch
@@ -134,7 +150,7 @@ class Profiler:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
             table = self.profiler.key_averages().table(sort_by=sort, row_limit=40)
-            summary = gpu_busy_summary(self.profiler.events(), wall_s)
+            summary, self.exposed_communication_pct = gpu_busy_summary(self.profiler.events(), wall_s)
             (self.out_dir / f"profile_rank{rank}.txt").write_text(f"{summary}\n{table}")
             self.profiler = None
 
@@ -150,7 +166,8 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
     argv = [*SHAPES[shape], "--data", "synthetic", "--steps", str(steps), "--warmup-steps", "2", "--lr", "3e-4",
             "--run-dir", f"runs/bench-{shape}"]
     config = with_global_batch(load_config(argv + extra), world_size)
-    history = train(config, before_step=Profiler(profile_dir, warmup))
+    profiler = Profiler(profile_dir, warmup)
+    history = train(config, before_step=profiler)
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     timed = history[warmup:]
@@ -169,6 +186,10 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
         "mfu_document_attention_pct": (round(statistics.median(h["perf/mfu_document_attention"] for h in timed), 2)
                                        if "perf/mfu_document_attention" in timed[0] else None),
         "peak_mem_gb": round(max(h["mem/peak_gb"] for h in timed), 2),
+        # Rank 0's, with --profile on GPUs: the share of the profiled steps' wall time in which
+        # only communication kernels ran.
+        "exposed_communication_pct": (round(profiler.exposed_communication_pct, 2)
+                                      if profiler.exposed_communication_pct is not None else None),
         "final_loss": round(history[-1]["train/loss"], 4), "steps": steps, "warmup": warmup,
         "args": extra, "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

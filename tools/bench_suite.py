@@ -5,8 +5,10 @@ their JSON lines to a results file:
     python -m tools.bench --table benchmarks/results.jsonl --readme README.md
 
 `--list` shows the setups. A setup runs when the machine has the GPUs it needs (`--gpus`); with
-`--only`, when its name contains one of the given strings. `--budget` stops starting new setups
-after that many seconds, so a time-limited machine returns what it measured.
+`--only`, when its name contains one of the given strings; with `--group`, when it belongs to that
+comparison (`GROUPS`). `--profile DIR` profiles every setup that runs (DIR/<setup>/), and adds its
+exposed communication to the results. `--budget` stops starting new setups after that many
+seconds, so a time-limited machine returns what it measured.
 """
 
 from __future__ import annotations
@@ -95,6 +97,17 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                                                          "--mesh", "dp=2,ep=2", "--ep-dispatch", "allgather",
                                                          "--global-batch", "16", *fp8])
        for name, fp8 in (("fp8", ["--fp8", "tensorwise"]), ("te delayed", [*TE, "delayed"]))},
+    # Tensor parallelism against FSDP (issue 21): without SP, with SP and its collectives fused
+    # into the matmuls (the default), and with SP's separate collectives (--tp-overlap none).
+    "llama-1b tp=2 sp unfused": (2, ["--shape", "llama-1b", *STEPS, "--", "--compile", "--mesh", "tp=2",
+                                     "--sequence-parallel", "--tp-overlap", "none"]),
+    "llama-8b tp=2": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "tp=2", "--recompute", "selective"]),
+    "llama-8b tp=2 sp unfused": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "tp=2",
+                                     "--sequence-parallel", "--recompute", "selective", "--tp-overlap", "none"]),
+    **{f"llama-70b-4l {name}": (2, ["--shape", "llama-70b-4l", *STEPS, "--", "--compile", *flags])
+       for name, flags in (("dp=2", ["--mesh", "dp=2"]), ("tp=2", ["--mesh", "tp=2"]),
+                           ("tp=2 sp", ["--mesh", "tp=2", "--sequence-parallel"]),
+                           ("tp=2 sp unfused", ["--mesh", "tp=2", "--sequence-parallel", "--tp-overlap", "none"]))},
     **{f"mixtral-small {mesh}{name}{routing}": (2, ["--shape", "mixtral-small", *STEPS, "--", "--compile",
                                                       *mesh_args, "--global-batch", "16", *options, *balance])
        for mesh, mesh_args in _MOE_MESHES.items() for name, options in _MOE_OPTIONS.items()
@@ -116,6 +129,12 @@ SUITE: dict[str, tuple[int, list[str]]] = {
     "attention gqa and mla": (1, ["--attention", "all", "--compile", "--steps", "20"]),
 }
 
+# Setups measured side by side, each group in one `--group` run.
+GROUPS: dict[str, list[str]] = {
+    "tp-overlap": [f"{shape} {mesh}" for shape in ("llama-1b", "llama-8b", "llama-70b-4l")
+                   for mesh in ("dp=2", "tp=2", "tp=2 sp", "tp=2 sp unfused")],
+}
+
 
 def command(processes: int, bench_args: list[str]) -> list[str]:
     if processes == 1:
@@ -124,17 +143,21 @@ def command(processes: int, bench_args: list[str]) -> list[str]:
             "-m", "tools.bench", *bench_args]
 
 
-def selected(gpus: int, only: list[str]) -> list[str]:
+def selected(gpus: int, only: list[str], group: str | None = None) -> list[str]:
     names = []
     for name, (processes, _) in SUITE.items():
         runs_here = name.startswith("cpu") if gpus == 0 else (not name.startswith("cpu") and processes <= gpus)
+        if group is not None and name not in GROUPS[group]:
+            continue
         if runs_here and (not only or any(part in name for part in only)):
             names.append(name)
     return names
 
 
-def run_suite(names: list[str], out: Path, budget: float, timeout: float) -> list[tuple[str, str]]:
-    """Runs each setup; appends its JSON line to `out`; returns (name, outcome) pairs."""
+def run_suite(names: list[str], out: Path, budget: float, timeout: float,
+              profile: Path | None = None) -> list[tuple[str, str]]:
+    """Runs each setup (profiled into `profile`/<setup>/ if given); appends its JSON line to `out`;
+    returns (name, outcome) pairs."""
     start, outcomes = time.monotonic(), []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for name in names:
@@ -142,7 +165,10 @@ def run_suite(names: list[str], out: Path, budget: float, timeout: float) -> lis
             outcomes.append((name, "not started: over --budget"))
             continue
         processes, bench_args = SUITE[name]
-        run_dir = ["--run-dir", f"runs/suite-{name.replace(' ', '-').replace('=', '')}"]
+        slug = name.replace(" ", "-").replace("=", "")
+        if profile is not None:
+            bench_args = ["--profile", str(profile / slug), *bench_args]
+        run_dir = ["--run-dir", f"runs/suite-{slug}"]
         try:
             result = subprocess.run(command(processes, [*bench_args, *run_dir]), capture_output=True, text=True,
                                     timeout=timeout, env=env)
@@ -164,7 +190,9 @@ def run_suite(names: list[str], out: Path, budget: float, timeout: float) -> lis
             f.write(lines[-1] + "\n")
         row = json.loads(lines[-1])
         mfu = f"{row['mfu_pct']}% MFU, " if row["mfu_pct"] is not None else ""
-        outcomes.append((name, f"{row['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, {mfu}{row['peak_mem_gb']} GB"))
+        exposed = row.get("exposed_communication_pct")
+        exposed = f", {exposed}% exposed communication" if exposed is not None else ""
+        outcomes.append((name, f"{row['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, {mfu}{row['peak_mem_gb']} GB{exposed}"))
     return outcomes
 
 
@@ -173,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=None, help="GPUs on this machine (default: as torch sees)")
     parser.add_argument("--only", nargs="*", default=[], help="run only setups whose name contains one of these")
+    parser.add_argument("--group", choices=sorted(GROUPS), help="run only the setups of this comparison")
+    parser.add_argument("--profile", type=Path, metavar="DIR", help="profile each setup into DIR/<setup>/")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results.jsonl"))
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no setup starts")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one setup may run")
@@ -183,16 +213,17 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         gpus = torch.cuda.device_count()
-    names = selected(gpus, args.only)
+    names = selected(gpus, args.only, args.group)
     if not names:
-        raise SystemExit(f"error: no setup matches --gpus {gpus} and --only {' '.join(args.only) or '(all)'}; "
+        raise SystemExit(f"error: no setup matches --gpus {gpus}, --only {' '.join(args.only) or '(all)'} and "
+                         f"--group {args.group or '(all)'}; "
                          f"see --list with --gpus 2")
     if args.list:
         for name in names:
             processes, bench_args = SUITE[name]
             print(f"{name}: {' '.join(command(processes, bench_args)[1:])}")
         return 0
-    outcomes = run_suite(names, args.out, args.budget, args.timeout)
+    outcomes = run_suite(names, args.out, args.budget, args.timeout, args.profile)
     width = max(len(name) for name, _ in outcomes)
     for name, outcome in outcomes:
         print(f"{name:<{width}}  {outcome}")

@@ -112,13 +112,17 @@ def _check_sequence_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> Non
 
 
 def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
-    """Async TP, FP8, and the checkpoint paths."""
+    """Async TP and the tp overlap, FP8, and the checkpoint paths."""
     t, p, tp = config.train, config.parallel, mesh_spec.tp
     if p.async_tp and not (t.compile and p.sequence_parallel and tp > 1 and torch.cuda.is_available()):
         raise UserError("--async-tp needs --compile, --sequence-parallel, a mesh with tp > 1 and CUDA GPUs")
     if p.cpu_offload and t.fp8 == "tensorwise" and t.fp8_all_gather:
         raise UserError("--cpu-offload keeps the weights' shards in host memory, where the float8 all-gather's "
                         "scales cannot be computed; add --no-fp8-all-gather (the FP8 matmuls stay)")
+    if build.tp_overlap_method(config, mesh_spec) is not None and (config.data.seq_len // mesh_spec.cp) % tp:
+        raise UserError(f"--tp-overlap splits each rank's {config.data.seq_len // mesh_spec.cp} tokens of a sequence "
+                        f"into tp={tp} equal shards; use a --seq-len divisible by {tp * mesh_spec.cp}, or "
+                        f"--tp-overlap none")
     if t.fp8_head and t.fp8 is None:
         raise UserError("--fp8-head runs the output projection in FP8; give --fp8 RECIPE with it")
     if t.fp8 is not None:
@@ -174,4 +178,5 @@ def with_global_batch(config: Config, world_size: int) -> Config:
 
 def build_plan(config: Config, mesh_spec: MeshSpec, model_cfg: LlamaConfig) -> Plan:
     return Plan.build(mesh_spec, sequence_parallel=config.parallel.sequence_parallel,
-                      num_kv_heads=model_cfg.num_kv_heads)
+                      num_kv_heads=model_cfg.num_kv_heads,
+                      tp_overlap=build.tp_overlap_method(config, mesh_spec) is not None)
