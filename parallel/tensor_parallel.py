@@ -31,6 +31,8 @@ storage, the layout torch's fused ops produce; token-wise math (`_tokens`) reads
 
 from __future__ import annotations
 
+import importlib
+
 import warnings
 from typing import NamedTuple
 
@@ -58,7 +60,8 @@ def symm_mem_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401  registers torch.ops.symm_mem
+        # Registers torch.ops.symm_mem. (An `import torch.x` here would make `torch` local.)
+        importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError:
         return False
     return hasattr(torch.ops.symm_mem, "fused_all_gather_matmul")
