@@ -34,7 +34,7 @@ class ParallelArgs:
                                      "matmul that consumes (produces) it: symm_mem (torch's symmetric-memory "
                                      "ops, CUDA), chunked (the sequence cut into tp chunks whose collectives "
                                      "overlap the previous chunk's matmul), none (separate collectives); auto: "
-                                     "symm_mem on CUDA, chunked elsewhere, none under --async-tp",
+                                     "none on CUDA (symm_mem measured slower), chunked elsewhere",
                              choices=("auto", "symm_mem", "chunked", "none"))
     async_tp: bool = _field(False, "let inductor fuse tp all-gathers/reduce-scatters with matmuls (needs --compile, "
                                    "--sequence-parallel and CUDA; --tp-overlap does this without inductor)")

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from dtrain import build, distributed
-from dtrain.build import build_model_parts
 from dtrain.checkpoint.checkpointer import Checkpointer
 from dtrain.config import Config, to_toml
 from dtrain.data import TokenDataset
@@ -27,14 +26,14 @@ from dtrain.resilience.step_guard import Decision, StepGuard
 from dtrain.resilience.stop_request import StopRequest
 from dtrain.resilience.stragglers import Stragglers
 from dtrain.resilience.watchdog import Watchdog
+from dtrain.step_stats import StepStats, ep_line
+from dtrain.training_model import build_training_model
 from models import families, flops, llama, masking, moe, mtp, spec
-from parallel import context_parallel, pipeline, precision, tensor_parallel
+from parallel import context_parallel, precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
-from parallel.delayed_scaling import amax_reduction_dims
-from parallel.expert_parallel import choose_dispatch, max_ranks_per_token
+from parallel.expert_parallel import choose_dispatch
 from parallel.gradients import clip_grads_
 from parallel.mesh import build_device_mesh, build_expert_mesh
-from parallel.parallelize import add_full_
 
 logger = logging.getLogger("dtrain")
 
@@ -69,10 +68,13 @@ class Trainer:
         # gradient of the mean loss over the whole global batch.
         # With cp, FSDP also averages over the cp ranks, which each hold 1/cp of every sample.
         self.loss_scale = self.mesh_spec.dp_size * self.mesh_spec.cp / self.global_tokens
-        self.fp8 = self._fp8_backend()
+        built = build_training_model(config, self.model_cfg, self.plan, self.mesh, expert_mesh=self.expert_mesh,
+                                     device=runtime.device, ep_dispatch=self.ep_dispatch,
+                                     loss_scale=self.loss_scale, is_main=runtime.is_main)
+        self.model_parts, self.ctx, self.pipeline, self.tied_copies = built.parts, built.ctx, built.runner, \
+            built.tied_copies
         # Transformer Engine's delayed scaling: amax histories and scales, updated after each step.
-        self.fp8_scaling = getattr(self.fp8, "scaling", None)
-        self.model_parts, self.ctx, self.pipeline, self.tied_copies = self._build_model()
+        self.fp8_scaling = getattr(built.fp8, "scaling", None)
         # The whole model on this rank; with pipelining, this rank's stages (several for
         # interleaved schedules) are `model_parts`.
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else None
@@ -108,10 +110,8 @@ class Trainer:
         self.loss_groups = build.loss_reduction_groups(self.mesh, self.mesh_spec)
         self.pp_group = self.mesh.get_group("pp") if self.mesh_spec.pp > 1 else None
         self.tp_group = self.mesh.get_group("tp") if self.mesh_spec.tp > 1 else None
-        # Router statistics: every rank counts its own tokens; pipeline stages hold other layers.
-        self.router_stat_groups = [g for g in self.loss_groups if g is not self.pp_group]
-        if self.tp_group is not None:
-            self.router_stat_groups.append(self.tp_group)
+        router_groups = [g for g in self.loss_groups if g is not self.pp_group]
+        router_groups += [self.tp_group] if self.tp_group is not None else []
         self.cp_rank = self.mesh.get_local_rank("cp")
         positions = (context_parallel.load_balance_indices(d.seq_len, self.mesh_spec.cp, self.cp_rank)
                      if self.mesh_spec.cp > 1 else torch.arange(d.seq_len))
@@ -120,8 +120,8 @@ class Trainer:
         if not d.document_mask:
             self.rope_aux = attrs.evolve(self.rope_aux, mask=llama.window_mask(self.model_cfg, self.ctx,
                                                                               d.micro_batch, d.seq_len))
-        self.router_stats = getattr(self.rope_aux, "router_stats", None)
-        self.mtp_stats = getattr(self.rope_aux, "mtp_stats", None)
+        self.stats = StepStats(self.model_cfg, self.rope_aux, self.model_parts, router_groups, self.loss_groups,
+                               runtime.device)
         self.mtp_depth = flops.mtp_depth(self.model_cfg)
         self.peak_flops = peak_flops(runtime.device)
         self._last_read_back = 0.0
@@ -137,62 +137,8 @@ class Trainer:
         if runtime.is_main:
             logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s%s", config.model.model,
                         spec.count_params(families.layers(self.model_cfg)) / 1e6, self.mesh_spec,
-                        runtime.world_size, runtime.device.type, self._ep_line())
-
-    def _ep_line(self) -> str:
-        if not self.ep_dispatch:
-            return ""
-        cfg, ep = self.model_cfg, self.mesh_spec.ep
-        ranks = max_ranks_per_token(cfg.num_experts, ep, cfg.top_k, cfg.num_expert_groups, cfg.topk_groups)
-        return f" | ep dispatch {self.ep_dispatch}, each token's experts on at most {ranks} of {ep} ranks"
-
-    def _build_model(self):
-        """This rank's part of the model, laid out on the mesh; the pipeline runner and the
-        parameters two stages hold (`pipeline.TiedCopies`) if pp > 1."""
-        built = build_model_parts(self.config, self.model_cfg, self.plan, self.mesh, expert_mesh=self.expert_mesh,
-                                  device=self.runtime.device, ep_dispatch=self.ep_dispatch,
-                                  fp8_linear=self.fp8)
-        self._log_tp_overlap()
-        if self.mesh_spec.pp == 1:
-            return built.parts, built.ctx, None, None
-        p = self.config.parallel
-        num_microbatches = build.num_microbatches(self.config, self.mesh_spec)
-        depth = flops.mtp_depth(self.model_cfg)
-
-        def with_targets(aux, packed):  # the labels and the tokens ahead travel as one tensor
-            labels, future = mtp.unpack_targets(packed, depth)
-            return attrs.evolve(aux, labels=labels, mtp_targets=future)
-
-        runner = pipeline.PipelineRunner(
-            built.parts, built.stage_ids, len(built.blocks_per_stage), p.pp_schedule, num_microbatches,
-            self.runtime.device, self.mesh.get_group("pp"), self.loss_scale, with_targets if depth else None,
-        )
-        if self.runtime.is_main:
-            logger.info("pipeline: %s, %d stages, %d micro-batches per step, blocks per stage %s", p.pp_schedule,
-                        len(built.blocks_per_stage), num_microbatches, built.blocks_per_stage)
-        tied = pipeline.TiedCopies(families.layers(self.model_cfg), built.blocks_per_stage, built.parts, self.mesh,
-                                   p.pp_schedule)
-        return built.parts, built.ctx, runner, tied
-
-    def _fp8_backend(self):
-        """The FP8 matmuls' backend; delayed scaling reduces amaxes over the ranks holding other
-        rows or columns of the same tensors (delayed_scaling.amax_reduction_dims)."""
-        t = self.config.train
-        groups = [self.mesh.get_group(dim) for dim in amax_reduction_dims(self.mesh_spec.sizes())]
-        return precision.fp8_backend(t.fp8, t.fp8_backend, self.runtime.device, float8_all_gather=t.fp8_all_gather,
-                                     amax_groups=groups, grad_scale=self.loss_scale,
-                                     amax_history_len=t.fp8_amax_history)
-
-    def _log_tp_overlap(self) -> None:
-        method = build.tp_overlap_method(self.config, self.mesh_spec)
-        if method is None or not self.runtime.is_main:
-            return
-        t = self.config.train
-        fp8_blocks = precision.fp8_blocks(self.model_cfg.num_layers, t.fp8_keep_ends)
-        unfused = tensor_parallel.unfused_matmuls(self.plan, fp8=t.fp8 is not None and bool(fp8_blocks),
-                                                  fp8_head=t.fp8_head)
-        logger.info("tp overlap: %s%s", method,
-                    "; separate collectives for " + ", ".join(unfused) + " matmuls" if unfused else "")
+                        runtime.world_size, runtime.device.type,
+                        ep_line(self.model_cfg, self.mesh_spec.ep, self.ep_dispatch))
 
     def parameters(self):
         return [param for part in self.model_parts for param in part.parameters()]
@@ -288,7 +234,7 @@ class Trainer:
                     loss_sum += self.model(self._local(batch[0]), self._micro_aux(batch)).float()
         for group in self.loss_groups:
             dist.all_reduce(loss_sum, group=group)
-        for stats in (self.router_stats, self.mtp_stats):
+        for stats in (self.stats.router_stats, self.stats.mtp_stats):
             if stats is not None:
                 stats.reset()  # evaluation is not training statistics
         return loss_sum.item() / (num_steps * d.global_batch * d.seq_len)
@@ -343,8 +289,8 @@ class Trainer:
             self.fp8_scaling.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        router_stats = self._after_moe_step(decision.found_inf)
-        mtp_stats = self._after_mtp_step()
+        router_stats = self.stats.after_moe_step(decision.found_inf)
+        mtp_stats = self.stats.after_mtp_step(self.mtp_depth)
         self.step += 1
         self.consumed_samples += d.global_batch
         done = None
@@ -356,10 +302,12 @@ class Trainer:
         return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats, decision,
                             totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp), compute_spans, done, mtp_stats)
 
-    def _read_back(self, launched: "LaunchedStep") -> dict[str, float]:
+    def _read_back(self, launched: "LaunchedStep", at_once: bool = False) -> dict[str, float]:
         """The scalars of a launched step (waits for it). Its time runs from the previous step's
         read-back, or from its own launch if later (after an evaluation or a save), so in steady
-        state it is the device's time per step."""
+        state it is the device's time per step. A step read back `at_once` after its launch (the
+        last, or before an evaluation or a save) is timed from its launch: where launching waits
+        for the device, the previous read-back came after this step had finished."""
         if launched.done is not None:
             launched.done.synchronize()
         decision = launched.decision
@@ -369,7 +317,7 @@ class Trainer:
              launched.attended_pairs.float()]).tolist()
         loss = loss_sum / self.global_tokens
         now = time.perf_counter()
-        elapsed = now - max(self._last_read_back, launched.launched_at)
+        elapsed = now - (launched.launched_at if at_once else max(self._last_read_back, launched.launched_at))
         self._last_read_back = now
         self.guard.record(launched.step, bool(skipped), loss, grad_norm, median)
         tokens_per_sec_per_gpu = self.global_tokens / elapsed / self.runtime.world_size
@@ -395,46 +343,6 @@ class Trainer:
             scalars["perf/mfu_document_attention"] = 100.0 * needed * tokens_per_sec_per_gpu / self.peak_flops
         return scalars
 
-    def _after_moe_step(self, found_inf: torch.Tensor) -> moe.RouterStats | None:
-        """Router statistics summed over the data-parallel ranks (one all-reduce for all layers);
-        the aux-loss-free bias update, left out on a skipped step (`found_inf` 1) as the optimizer's.
-        Returns the step's statistics, to read back later."""
-        if self.router_stats is None:
-            return None
-        tensors = self.router_stats.tensors()
-        if self.router_stat_groups and tensors:
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            for group in self.router_stat_groups:
-                dist.all_reduce(flat, group=group)
-            for tensor, summed in zip(tensors, flat.split([t.numel() for t in tensors])):
-                tensor.copy_(summed.view_as(tensor))
-        rate = self.model_cfg.bias_update_rate
-        if rate > 0:
-            skipped = found_inf.bool()
-
-            def add_unless_skipped(bias, delta):
-                add_full_(bias, delta.masked_fill(skipped, 0.0))
-
-            for part in self.model_parts:
-                moe.update_expert_bias(dict(part.named_parameters()), self.router_stats, rate, add_unless_skipped,
-                                       block_path=families.block_path(self.model_cfg))
-        return self.router_stats.take()
-
-    def _after_mtp_step(self) -> mtp.MTPStats | None:
-        """The step's multi-token prediction losses summed over the ranks holding other tokens (and
-        from the last pipeline stage), to read back later."""
-        if self.mtp_stats is None:
-            return None
-        taken = self.mtp_stats.take()
-        # A fixed shape on every rank: pipeline stages without the MTP layer recorded nothing.
-        totals = torch.zeros(self.mtp_depth, 2, device=self.runtime.device)
-        for depth, value in taken.totals.items():
-            totals[depth] += value
-        for group in self.loss_groups:
-            dist.all_reduce(totals, group=group)
-        taken.totals = dict(enumerate(totals))
-        return taken
-
     def fit(self, before_step=None) -> list[dict[str, float]]:
         """Steps until `--steps`; returns every step's scalars. `before_step(step)` is called
         before each step (benchmarks use it to start and stop the profiler).
@@ -445,11 +353,11 @@ class Trainer:
         total, history = self.config.train.steps, []
         unread: list[LaunchedStep] = []
 
-        def read_back_all(evaluate: bool = False) -> None:
+        def read_back_all(evaluate: bool = False, at_once: bool = False) -> None:
             while unread:
                 self.beat.phase("sync")
                 launched = unread.pop(0)
-                scalars = self._read_back(launched)
+                scalars = self._read_back(launched, at_once=at_once and not unread)
                 if evaluate and not unread:
                     scalars["val/loss"] = self.evaluate()
                 history.append(scalars)
@@ -474,7 +382,7 @@ class Trainer:
                 every = self.config.train.eval_every
                 evaluate = bool(every) and (self.step % every == 0 or self.step == total)
                 if evaluate or self.step == total or not self.overlap_read_back:
-                    read_back_all(evaluate=evaluate)
+                    read_back_all(evaluate=evaluate, at_once=True)
                 if self._step_boundary(before_save):
                     break  # preempted: saved, and every rank stops here
             read_back_all()

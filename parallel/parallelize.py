@@ -91,7 +91,8 @@ def materialize(model: ModelModule, device: torch.device, seed: int, *, cpu_offl
     """Memory for this rank's shards, set to the mesh-independent initial values: on `device`, or
     in host memory under CPU offload (FSDP copies each block's shards in when it runs)."""
     model.to_empty(device=torch.device("cpu") if cpu_offload else device)
-    init_parameters(model, seed)
+    # Drawn on the compute device either way: CPU and CUDA generators give other values.
+    init_parameters(model, seed, draw_on=device)
 
 
 def enable_async_tp(mesh: DeviceMesh) -> None:
@@ -104,10 +105,12 @@ def enable_async_tp(mesh: DeviceMesh) -> None:
 
 
 @torch.no_grad()
-def init_parameters(model: ModelModule, seed: int) -> None:
-    """Each rank draws the full value of each parameter and keeps its own shard of it."""
+def init_parameters(model: ModelModule, seed: int, draw_on: torch.device | None = None) -> None:
+    """Each rank draws the full value of each parameter (on `draw_on`, default where the
+    parameter is) and keeps its own shard of it."""
     for name, param in model.named_parameters():
-        copy_full_(param, spec.init_value(model.specs[name], seed, name, device=param.device))
+        device = param.device if draw_on is None or draw_on.type == "meta" else draw_on
+        copy_full_(param, spec.init_value(model.specs[name], seed, name, device=device))
 
 
 def _local_part(param: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,8 +28,11 @@ START_TIME_VARIABLES = ("MALLOC_", "PYTHONMALLOC", "PYTHONFAULTHANDLER", "LD_", 
 _context = None
 
 
-def can_run(env: dict[str, str]) -> bool:
-    return not any(name.startswith(START_TIME_VARIABLES) for name in env)
+def can_run(args: list[str], env: dict[str, str]) -> bool:
+    """Whether a forked rank behaves as a fresh interpreter would. Not with variables read at
+    start, and not under --compile: inductor's compile workers, started from a forked rank, made a
+    two-rank compiled run spin for minutes where a fresh interpreter took one."""
+    return "--compile" not in args and not any(name.startswith(START_TIME_VARIABLES) for name in env)
 
 
 def _server():

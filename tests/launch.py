@@ -45,7 +45,7 @@ def run_cli(args: list[str], nproc: int = 1, module: str = "dtrain.run", timeout
     added to the environment. Ranks are forked from a server that has torch imported
     (tests/forked.py) unless the run needs torchrun's agent or a fresh interpreter, or
     DTRAIN_TEST_LAUNCHER=subprocess asks for the real commands."""
-    if not torchrun_args and forked.can_run(env or {}) and os.environ.get("DTRAIN_TEST_LAUNCHER") != "subprocess":
+    if not torchrun_args and forked.can_run(args, env or {}) and os.environ.get("DTRAIN_TEST_LAUNCHER") != "subprocess":
         return forked.run(module, args, nproc, cli_env(env), timeout, _free_port())
     return subprocess.run(cli_command(args, nproc, module, torchrun_args), cwd=REPO, env=cli_env(env),
                           capture_output=True, text=True, timeout=timeout)

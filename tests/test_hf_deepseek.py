@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dtrain.checkpoint import storage
 from dtrain.interop import hf
 from models import deepseek, spec
 from models.context import LocalContext
@@ -184,7 +185,7 @@ def test_what_transformers_deepseek_v3_cannot_hold_is_a_one_line_error(tmp_path,
     # DeepSeek-V2-Lite routes by softmax, which transformers' DeepSeek-V3 cannot.
     meta = json.loads((checkpoint / "meta.json").read_text())
     meta["model"]["score_func"] = "softmax"
-    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    storage.write_meta(checkpoint, meta)  # with COMPLETE's checksum of it
     capsys.readouterr()
     assert hf_convert.main(["export", str(checkpoint), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()

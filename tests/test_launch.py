@@ -206,7 +206,7 @@ def _alive(pid: int) -> bool:
 def test_ctrl_c_during_start_up_or_twice_ends_the_run_in_one_line(tmp_path, monkeypatch, capsys):
     import dtrain.train
 
-    def interrupted(config, before_step=None):
+    def interrupted(config, before_step=None, claim=None):
         raise KeyboardInterrupt  # what the second Ctrl-C raises (the first asks for a save)
 
     monkeypatch.setattr(dtrain.train, "train", interrupted)

@@ -163,19 +163,21 @@ def recompute_peak_bytes(work: Workload, block: int, kernel: KernelFacts = CUDA)
 def head_bytes(work: Workload) -> tuple[float, float]:
     """The head's saved bytes for one micro-batch, and what its backward adds on top.
 
-    Compiled on one tp rank, the loss fuses into the head's graph: it keeps its input, the normed
-    input and the logits in the compute dtype, and writes their gradient in place. Under tp the
-    vocab-parallel log-softmax reduces over the tp ranks in the middle of the loss, and eager
-    cross-entropy never fuses: both keep fp32 log-probabilities and make an fp32 gradient and its
-    cast. An FP8 head also makes two float8 casts of the logits' gradient for its two GEMMs."""
+    Compiled, the loss fuses into the head's graph (under tp too: the vocab-parallel loss is two
+    all-reduces of one number per token, parallel/tensor_parallel.py): it keeps its input, the
+    normed input and the logits (its vocab shard) in the compute dtype, and writes their gradient in
+    place (under tp, in fp32 first). Eager cross-entropy never fuses: it keeps fp32 log-probabilities and makes an fp32
+    gradient and its cast. An FP8 head also makes two float8 casts of the logits' gradient for its
+    two GEMMs."""
     cfg, t, tp = work.model_cfg, work.config.train, work.mesh_spec.tp
     b = DTYPE_BYTES[t.precision]
     d, residual, *_ = _widths(work)
     vocab = math.ceil(cfg.vocab_size / tp)
     tokens = work.tokens
     fp8_gradient = 2 * tokens * vocab if t.fp8 is not None and t.fp8_head else 0.0
-    if t.compile and tp == 1:
-        return tokens * (b * (residual + d + vocab) + 4), fp8_gradient
+    if t.compile:
+        # Under tp the logits' gradient is made in fp32 across the all-reduces before its cast.
+        return tokens * (b * (residual + d + vocab) + 4), (4 * tokens * vocab if tp > 1 else 0.0) + fp8_gradient
     saved = tokens * (b * residual + b * d + 4 * vocab + 4)
     return saved, tokens * (4 + b) * vocab + fp8_gradient
 

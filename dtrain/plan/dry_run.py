@@ -303,7 +303,7 @@ class _Step:
 
     def _stage_micro_batch(self, part, stage_id: int, num_stages: int) -> StageCost:
         tokens, aux = self._inputs()
-        part.stage_auxes = [aux]  # the stage's forward without a micro-batch index reads the first
+        part.stage_aux = lambda index: aux  # every micro-batch of the dry run has the same aux
         received = tokens if stage_id == 0 else self._received_activation(tokens).requires_grad_()
         # As torch's PipelineStage: gradient sync off for every micro-batch; the schedule's final
         # reduce (`perform_reduce_grad`) reduce-scatters them once.
