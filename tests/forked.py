@@ -51,6 +51,9 @@ def _rank_main(module: str, args: list[str], env: dict[str, str], out: str, err:
         os.close(fd)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    import faulthandler
+
+    faulthandler.enable()  # a rank that dies on a signal leaves its Python stack in its stderr
     os.environ.update(env)
     os.chdir(REPO)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
