@@ -83,3 +83,11 @@ def fake_world():
             dist.destroy_process_group()
 
     return world
+
+
+@pytest.fixture
+def one_rank_group():
+    """A real gloo process group of one rank in this process (collectives run, on one rank)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -100,13 +99,6 @@ class _CollectiveOps(TorchDispatchMode):
         if func.namespace == "_c10d_functional":
             self.names.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_each_collective_has_finished_before_the_next_starts(one_rank_group):

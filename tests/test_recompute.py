@@ -9,7 +9,6 @@ from collections import Counter
 import attrs
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -30,13 +29,6 @@ class _CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func] += 1
         return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_selective_recompute_reruns_element_wise_ops_only(one_rank_group):
