@@ -5,8 +5,8 @@ few CPU-seconds, most of what a tiny multi-rank run takes on a CI machine.
 Each rank gets torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), runs the module as
 `__main__` with its stdout and stderr in files of its own, and the launcher stops the others as
 torchrun does when one fails (SIGTERM, then SIGKILL after a grace period). Runs that need what
-only a real interpreter gives (torchrun's agent and restarts, allocator variables read at start)
-keep the subprocess path in tests/launch.py.
+only a real interpreter gives (torchrun's agent and restarts, allocator variables read at start,
+inductor's compile workers) keep the subprocess path in tests/launch.py.
 """
 
 from __future__ import annotations
