@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from models import families, moe, mtp
+from models import families, flops, moe, mtp
 from models.config import LlamaConfig
 from parallel.expert_parallel import max_ranks_per_token
 from parallel.parallelize import add_full_
@@ -23,6 +23,7 @@ class StepStats:
         self.router_groups, self.loss_groups = router_groups, loss_groups
         self.router_stats: moe.RouterStats | None = getattr(aux, "router_stats", None)
         self.mtp_stats: mtp.MTPStats | None = getattr(aux, "mtp_stats", None)
+        self.mtp_depth = flops.mtp_depth(model_cfg)
 
     def after_moe_step(self, found_inf: torch.Tensor) -> moe.RouterStats | None:
         """Router statistics summed over the data-parallel ranks (one all-reduce for all layers);
@@ -49,14 +50,14 @@ class StepStats:
                                        block_path=families.block_path(self.model_cfg))
         return self.router_stats.take()
 
-    def after_mtp_step(self, depth: int) -> mtp.MTPStats | None:
+    def after_mtp_step(self) -> mtp.MTPStats | None:
         """The step's multi-token prediction losses summed over the ranks holding other tokens (and
         from the last pipeline stage), to read back later."""
         if self.mtp_stats is None:
             return None
         taken = self.mtp_stats.take()
         # A fixed shape on every rank: pipeline stages without the MTP layer recorded nothing.
-        totals = torch.zeros(depth, 2, device=self.device)
+        totals = torch.zeros(self.mtp_depth, 2, device=self.device)
         for index, value in taken.totals.items():
             totals[index] += value
         for group in self.loss_groups:

@@ -290,7 +290,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         router_stats = self.stats.after_moe_step(decision.found_inf)
-        mtp_stats = self.stats.after_mtp_step(self.mtp_depth)
+        mtp_stats = self.stats.after_mtp_step()
         self.step += 1
         self.consumed_samples += d.global_batch
         done = None

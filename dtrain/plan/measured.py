@@ -106,7 +106,7 @@ def _row(data: dict) -> Row:
     config = load_config(argv)
     reason = EXCLUDED.get(data["commit"]) or (EXCLUDED_MOE.get(data["commit"]) if data["shape"] == "mixtral-small" else None)
     if reason is None and "tp=" in data["mesh"] and data["commit"] in EAGER_TP_LOSS:
-        reason = ("before 64a0ae9 the vocab-parallel loss ran outside the compiled head: fp32 log-probabilities",)
+        reason = ("before 64a0ae9 the vocab-parallel loss ran outside the compiled head: fp32 log-probabilities", "both")
     time_reason = next((why for applies, why in UNTIMED if applies(data)), None)
     mesh = MeshSpec.parse(config.parallel.mesh if config.parallel.mesh != "single" else "", data["gpus"])
     if time_reason is None and mesh.ep > 1 and "force_load_balance=true" not in config.model.model_overrides:
