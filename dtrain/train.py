@@ -64,6 +64,10 @@ def train(config: Config, before_step=None, claim: run_lock.Claim | None = None)
         with log_file(run_dir / "train.log", runtime.is_main):
             scalars = Trainer(config, runtime, heartbeat=beat, watchdog=watchdog).fit(before_step)
     except BaseException as error:
+        if _in_main_thread():
+            # The run is ending: torchrun's SIGTERM (it follows a peer's death within a fraction
+            # of a second) must not cut the failure's record short with an exception of its own.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         failure = _record_failure(error, run_dir, beat, watchdog) if holds_run_dir else None
         distributed.shutdown(after_error=True)
         if isinstance(error, torch.OutOfMemoryError):

@@ -101,3 +101,35 @@ def test_a_failure_that_comes_back_at_the_same_step_stops_the_restarts(tmp_path)
     assert {tuple(f.attempt) for f in recorded} == {(0, 0), (0, 1)} and {f.step for f in recorded} == {3}
     assert "step 4/4" not in output
     assert not os.path.exists(tmp_path / "checkpoints" / "step_000004")
+
+
+def test_torchruns_sigterm_during_the_record_of_a_lost_peer_does_not_cut_the_record_short(tmp_path, monkeypatch):
+    """torchrun sends SIGTERM a fraction of a second after a worker dies: to the survivors while
+    they write down their lost peer. Found on a loaded machine: no record of rank 0, so a restart
+    could not tell a repeated failure."""
+    import signal
+
+    import dtrain.train
+    from dtrain.config import load_config
+
+    class PeerGone:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def fit(self, before_step=None):
+            raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:6421")
+
+    write = failures.record
+
+    def record_as_sigterm_arrives(run_dir, failure):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return write(run_dir, failure)
+
+    monkeypatch.setattr(dtrain.train, "Trainer", PeerGone)
+    monkeypatch.setattr(failures, "record", record_as_sigterm_arrives)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(failures.JobFailure, match="lost its peers"):
+        dtrain.train.train(load_config([*TINY_ARGS, "--run-dir", str(tmp_path)]))
+    assert signal.getsignal(signal.SIGTERM) is handler
+    [recorded] = failures.read(tmp_path)
+    assert (recorded.kind, recorded.rank) == ("lost", 0)
