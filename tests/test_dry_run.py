@@ -126,6 +126,18 @@ def test_pipelined_dry_run_of_64_ranks(pipelined_dry_run):
         assert report.collectives["cp", "all-gather"].count > 0 and report.collectives["tp", "all-reduce"].count > 0
 
 
+def test_the_step_measured_has_adamws_moments_in_memory_through_its_micro_batches():
+    """As every step after the first: at the end of the forward the parameters, the optimizer
+    state and the forward's activations are all live."""
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    [(_, report)] = dry_run(load_config(["--dry-run", "--world-size", "1", "--model", "tiny", "--seq-len", "64",
+                                         "--micro-batch", "2"]))
+    [stage] = report.stages
+    end_of_forward = report.param_bytes + report.optimizer_bytes + stage.activation_bytes
+    assert report.phase_peaks["micro-batches"] >= end_of_forward
+
+
 def test_dry_run_rank_runs_that_rank_only(capsys):
     if dist.is_initialized():
         pytest.skip("a default process group already exists in this process")

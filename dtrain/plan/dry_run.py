@@ -201,9 +201,10 @@ class _Step:
         config, acct, parts = self.config, self.acct, self.built.parts
         for part in parts:
             materialize(part, torch.device("cpu"), config.train.seed, cpu_offload=config.parallel.cpu_offload)
-        self._phase_done("initialization", times=1)
         # The fused AdamW kernel, as on GPUs (foreach would add its temporaries).
         optimizer = build_optimizer(parts, config.optim)
+        _create_state(optimizer)
+        self._phase_done("initialization", times=1)
         self.report.param_bytes = _local_bytes(p for part in parts for p in part.parameters())
         if self.mesh_spec.pp > 1:
             self._pipelined_micro_batches()
@@ -343,6 +344,16 @@ def bytes_text(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's moments, which exist from the first optimizer step on: the step measured is a later
+    one, whose micro-batches run with them in memory."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _local_bytes(tensors) -> int:
