@@ -22,13 +22,8 @@ def test_tokens_per_second_within_fifteen_percent_of_every_compared_gpu_row():
     for row in compared:
         predicted = steptime.predict_step(row.config, row.gpus).tokens_per_sec_per_gpu
         errors[row.label] = predicted / row.data["tokens_per_sec_per_gpu"] - 1
-    # A known miss, named so that no other row can hide behind it: llama-1b under tp=2 with SP runs
-    # 17% below the rates the model was calibrated at.
     misses = {label: error for label, error in errors.items() if abs(error) > measured.THROUGHPUT_TOLERANCE}
-    assert set(misses) <= KNOWN_TIME_MISSES and all(abs(e) < 0.2 for e in misses.values()), misses
-
-
-KNOWN_TIME_MISSES = {"llama-1b tp=2 seq 4096 4/4 --compile --sequence-parallel --tp-overlap none"}
+    assert not misses, misses
 
 
 def _step(*args: str, world: int = 8) -> steptime.StepTime:

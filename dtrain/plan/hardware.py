@@ -40,6 +40,9 @@ class Hardware:
     # Compute slows by this fraction of the time collectives overlap with it (their kernels take SMs).
     overlap_slowdown: float = 0.7
     collective_latency_s: float = 100e-6  # per collective call
+    # Each tp collective of a block costs this much beyond its transfer: the copies into and out
+    # of its buffers and the layout changes around it (fitted on the tp=2 rows).
+    tp_region_s: float = 0.0003
     host_gb_s: float = 25.0              # host <-> GPU copies (CPU offload)
     cpu_adam_gb_s: float = 10.0          # AdamW on the CPU, bytes of state touched per second
     step_overhead_s: float = 0.0005       # launches and host work per step that nothing hides

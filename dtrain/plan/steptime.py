@@ -150,7 +150,7 @@ def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple
         regions = 3 if moe else 4
         if mode == "full":
             regions += 1.5 if moe else 2
-        comm += regions * _allreduce(residual, mesh.tp, hw.link_gb_s(mesh.tp), hw)
+        comm += regions * (_allreduce(residual, mesh.tp, hw.link_gb_s(mesh.tp), hw) + hw.tp_region_s)
     if mesh.cp > 1:
         comm += _context_parallel_seconds(work, attention, hw)
     if moe and mesh.ep > 1:
