@@ -46,8 +46,25 @@ MATMULS_RUN = {"none": 1.0, "selective": 1.0, "full": 4 / 3}
 ELEMENTWISE_RUN = {"none": 1.0, "selective": 4 / 3, "full": 1.5}
 
 
+class _Throughput:
+    """Tokens/s per GPU and MFU of a step of `seconds` over `tokens` on `world_size` ranks."""
+
+    seconds: float
+    tokens: int
+    world_size: int
+    flops_per_token: float
+
+    @property
+    def tokens_per_sec_per_gpu(self) -> float:
+        return self.tokens / self.seconds / self.world_size
+
+    def mfu(self, hardware: Hardware = H200) -> float:
+        """Model FLOPs utilisation (BENCHMARKS.md's convention), as a fraction."""
+        return self.flops_per_token * self.tokens_per_sec_per_gpu / (hardware.peak_tflops * TERA)
+
+
 @attrs.frozen
-class StepTime:
+class StepTime(_Throughput):
     """Seconds of one optimizer step on the slowest rank, by what they are spent on."""
 
     compute: float          # GEMMs, attention, element-wise kernels (recompute included)
@@ -64,21 +81,13 @@ class StepTime:
     def seconds(self) -> float:
         return self.compute + self.communication + self.fsdp_exposed + self.bubble + self.optimizer + self.overhead
 
-    @property
-    def tokens_per_sec_per_gpu(self) -> float:
-        return self.tokens / self.seconds / self.world_size
-
-    def mfu(self, hardware: Hardware = H200) -> float:
-        """Model FLOPs utilisation (BENCHMARKS.md's convention), as a fraction."""
-        return self.flops_per_token * self.tokens_per_sec_per_gpu / (hardware.peak_tflops * TERA)
-
     def as_dict(self) -> dict[str, float]:
         names = ("compute", "communication", "fsdp_exposed", "bubble", "optimizer", "overhead")
         return {name: round(getattr(self, name), 4) for name in names} | {"seconds": round(self.seconds, 4)}
 
 
 @attrs.frozen
-class Ceiling:
+class Ceiling(_Throughput):
     """The step of the slowest rank if only its GEMMs and attention took time, at `hardware`'s
     measured rates: what the step would be with every element-wise kernel, collective and host
     stall gone. Matmuls a recompute mode runs again count, and so does a pipeline's bubble (the
@@ -94,13 +103,6 @@ class Ceiling:
     @property
     def seconds(self) -> float:
         return self.gemm + self.attention + self.bubble
-
-    @property
-    def tokens_per_sec_per_gpu(self) -> float:
-        return self.tokens / self.seconds / self.world_size
-
-    def mfu(self, hardware: Hardware = H200) -> float:
-        return self.flops_per_token * self.tokens_per_sec_per_gpu / (hardware.peak_tflops * TERA)
 
     def as_dict(self, hardware: Hardware = H200) -> dict[str, float]:
         return {"gemm_s": round(self.gemm, 5), "attention_s": round(self.attention, 5),
