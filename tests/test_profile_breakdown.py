@@ -126,7 +126,7 @@ class Event:
     def __init__(self, name, start, end, *, thread=1, id=0, linked=0, sequence=-1, forward_thread=0,
                  device=DeviceType.CPU):
         self._values = dict(name=name, start_ns=start * 1000, end_ns=end * 1000, start_thread_id=thread,
-                            correlation_id=id, linked_correlation_id=linked, sequence_nr=sequence,
+                            end_thread_id=thread, correlation_id=id, linked_correlation_id=linked, sequence_nr=sequence,
                             fwd_thread_id=forward_thread, device_type=device, is_async=False)
 
     def __getattr__(self, key):

@@ -8,11 +8,11 @@ category, and each category's time over the profiled wall time.
 A kernel's category comes from its name where the name tells (cuBLAS, CUTLASS and nvjet GEMMs,
 cuDNN, flash and flex attention, inductor's triton kernels, NCCL), else from the `record_function`
 range its launching op ran in: the loss (`parallel.modules.LOSS_RANGE`), the optimizer step and
-the gradient clip (`dtrain.trainer`'s ranges), FSDP's own ranges, symmetric memory's ops. A backward kernel belongs to
-the range its forward op ran in: autograd gives each backward node the sequence number of the
-forward op that made it. On a CPU run the ops themselves are the work: an op named as a GEMM,
-attention, the loss or the optimizer counts with everything it calls, other ops where they call
-no other op.
+the gradient clip (`dtrain.trainer`'s ranges), FSDP's own ranges, symmetric memory's ops. A
+backward kernel belongs to the range its forward op ran in: autograd gives each backward node the
+sequence number of the forward op that made it. On a CPU run the ops themselves are the work: an
+op named as a GEMM, attention, the loss or the optimizer counts with everything it calls, other
+ops where they call no other op.
 
 Overlap is counted once. `busy` is the union of each category's own intervals; `exclusive`
 gives each instant to the first category of CATEGORIES running then, so that the exclusive times
@@ -147,7 +147,8 @@ def profile_activities(events) -> list[Activity]:
     for event in events:
         if event.device_type() == DeviceType.CPU:
             # Torch ops and ranges only: the CUDA runtime's calls are linked to the op that made them.
-            if event.linked_correlation_id() == 0 and not event.is_async() and not event.name().startswith("["):
+            synchronous = not event.is_async() and event.start_thread_id() == event.end_thread_id()
+            if event.linked_correlation_id() == 0 and synchronous and not event.name().startswith("["):
                 ops.append(_Op(event))
         else:
             device_events.append(event)
@@ -263,11 +264,11 @@ def breakdown(activities: list[Activity], steps: int) -> Breakdown:
         entry[1] += 1
     top = {c: sorted(((name, us, calls) for name, (us, calls) in names.items()), key=lambda t: -t[1])
            for c, names in totals.items()}
-    return Breakdown(end - start, steps, {c: covered_us(spans) for c, spans in by_category.items()},
+    return Breakdown(end - start, steps, {c: _covered_us(spans) for c, spans in by_category.items()},
                      _exclusive_us(activities), top)
 
 
-def covered_us(intervals: list[tuple[float, float]]) -> float:
+def _covered_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals."""
     covered, reach = 0.0, float("-inf")
     for start, end in sorted(intervals):
