@@ -25,7 +25,7 @@ def test_cpu_run_prints_one_json_line_with_its_profile_and_ceiling(tmp_path):
     row = json.loads(lines[0])
     assert row["shape"] == "tiny" and row["tokens_per_sec_per_gpu"] > 0 and row["steps"] == 4
     assert row["ceiling"] == steptime.ceiling(load_config([*bench.SHAPES["tiny"], *args]), 1).as_dict()
-    # The steps ran 3 after the warm-up step; on a CPU run the ops are the work.
+    # Three steps profiled after the warm-up step; on a CPU run the ops are the work.
     profile = row["profile"]
     assert profile["steps"] == 3 and set(profile["ms"]) == set(CATEGORIES)
     for category in ("gemm", "attention", "loss", "elementwise", "optimizer"):
