@@ -36,6 +36,9 @@ from parallel.gradients import clip_grads_
 from parallel.mesh import build_device_mesh, build_expert_mesh
 
 logger = logging.getLogger("dtrain")
+# Profiler ranges (no-ops unless a profiler runs) that `python -m tools.bench --profile` counts as
+# the optimizer's: the gradient clip, and the update with what FP8 refreshes after it.
+CLIP_RANGE, OPTIMIZER_RANGE = "dtrain::clip_grads", "dtrain::optimizer_step"
 
 
 class Trainer:
@@ -277,16 +280,18 @@ class Trainer:
         if self.tied_copies is not None:
             self.tied_copies.sum_grads()
             copies = self.tied_copies.copies
-        grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer,
-                                copies=copies)
+        with torch.profiler.record_function(CLIP_RANGE):
+            grad_norm = clip_grads_(self.parameters(), self.config.optim.grad_clip, self.pp_group, self.optimizer,
+                                    copies=copies)
         decision = self.guard.decide(loss_sum, grad_norm)
         self.optimizer.found_inf = decision.found_inf
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        if self.refresh_float8_scales:
-            precision.after_optimizer_step(self.model_parts)  # from the weights as they now are
-        if self.fp8_scaling is not None:
-            self.fp8_scaling.update()
+        with torch.profiler.record_function(OPTIMIZER_RANGE):
+            self.optimizer.step()
+            if self.refresh_float8_scales:
+                precision.after_optimizer_step(self.model_parts)  # from the weights as they now are
+            if self.fp8_scaling is not None:
+                self.fp8_scaling.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         router_stats = self.stats.after_moe_step(decision.found_inf)

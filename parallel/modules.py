@@ -19,6 +19,10 @@ from models.llama import RESIDUAL
 
 MakeParam = Callable[[str, spec.ParamSpec], nn.Parameter]
 
+# The profiler range around the head and its loss: `python -m tools.bench --profile` counts the
+# kernels launched in it (and in their backward) that are not GEMMs as the loss's.
+LOSS_RANGE = "dtrain::loss"
+
 
 class ParamNode(nn.Module):
     """One level of a layer's parameter tree. Calling it returns its parameters: a node that is
@@ -135,7 +139,8 @@ class ModelModule(nn.Module):
         return self._head(self.ctx.constrain(x, RESIDUAL, "residual"), aux)
 
     def _head(self, x: torch.Tensor, aux: Any) -> torch.Tensor:
-        loss = self.head(x, aux)
+        with torch.profiler.record_function(LOSS_RANGE):
+            loss = self.head(x, aux)
         if self.mtp is not None:
             # Zero in value (the loss stays the next-token loss), with the MTP losses' gradient.
             loss = loss + self.mtp(x, aux)

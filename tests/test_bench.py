@@ -5,21 +5,40 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.launch import run_cli
 from tools import bench
 
 
-def test_cpu_run_prints_one_json_line(tmp_path):
-    result = run_cli(["--shape", "tiny", "--steps", "3", "--warmup", "1", "--",
-                      "--run-dir", str(tmp_path / "run"), "--precision", "fp32"], module="tools.bench")
+def test_cpu_run_prints_one_json_line_with_its_profile_and_ceiling(tmp_path):
+    from dtrain.config import load_config
+    from dtrain.plan import steptime
+    from tools.profile_breakdown import CATEGORIES
+
+    args = ["--run-dir", str(tmp_path / "run"), "--precision", "fp32", "--seq-len", "64", "--micro-batch", "2"]
+    result = run_cli(["--shape", "tiny", "--steps", "4", "--warmup", "1", "--profile", str(tmp_path / "profile"),
+                      "--", *args], module="tools.bench")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1
     row = json.loads(lines[0])
-    assert row["shape"] == "tiny" and row["tokens_per_sec_per_gpu"] > 0 and row["steps"] == 3
+    assert row["shape"] == "tiny" and row["tokens_per_sec_per_gpu"] > 0 and row["steps"] == 4
+    assert row["ceiling"] == steptime.ceiling(load_config([*bench.SHAPES["tiny"], *args]), 1).as_dict()
+    # Three steps profiled after the warm-up step; on a CPU run the ops are the work.
+    profile = row["profile"]
+    assert profile["steps"] == 3 and set(profile["ms"]) == set(CATEGORIES)
+    for category in ("gemm", "attention", "loss", "elementwise", "optimizer"):
+        assert profile["ms"][category] > 0, (category, profile)
+    # Exclusive times and idle add up to the profiled step (each rounded to a microsecond).
+    assert abs(sum(profile["ms"].values()) + profile["idle_ms"] - profile["step_ms"]) < 0.01
+    text = (tmp_path / "profile" / "profile_rank0.txt").read_text()
+    assert "3 profiled steps" in text and "ceiling, GEMMs and attention alone" in text and "aten::mm" in text
+    assert json.loads((tmp_path / "profile" / "profile_rank0.json").read_text())["ms"] == profile["ms"]
     path = tmp_path / "results.jsonl"
     path.write_text(lines[0] + "\n")
     assert f"{row['tokens_per_sec_per_gpu']:,.0f}" in bench.table(path)
+    assert f"{profile['step_ms']:,.1f}" in bench.breakdowns(path)
 
 
 def _pipelined_run(micro_batches: int, step_s: float, schedule: str) -> dict:
@@ -115,30 +134,59 @@ def test_every_suite_setup_is_a_valid_command():
         load_config([*SHAPES[shape], *dtrain_flags])  # raises on an unknown flag or choice
 
 
-def test_gpu_busy_summary_merges_overlapping_kernels_per_kind():
-    from types import SimpleNamespace
+def test_breakdown_counts_overlap_once_and_gives_each_instant_to_one_category():
+    from tools.profile_breakdown import Activity, breakdown
 
-    from torch.autograd import DeviceType
-
-    def kernel(name, start, end, device=DeviceType.CUDA):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
-
-    # Compute kernels cover [0, 400), [600, 700) and [900, 1000) us, NCCL [300, 500): of 1 ms,
-    # [500, 600) and [700, 900) have no kernel.
-    events = [kernel("gemm", 0, 300), kernel("silu", 250, 400), kernel("add", 600, 700),
-              kernel("ncclDevKernel_SendRecv", 300, 500), kernel("aten::mm", 0, 1000, DeviceType.CPU),
-              kernel("copy", 900, 1000)]
-    summary, exposed_pct = bench.gpu_busy_summary(events, wall_s=1e-3)
-    assert "compute kernels running: 0.6 ms (60.0%)" in summary
-    assert "communication kernels running: 0.2 ms (20.0%)" in summary
-    assert "no kernel running: 0.3 ms (30.0%)" in summary
-    # NCCL's [300, 500) has compute beside it until 400: [400, 500) is exposed.
-    assert "(exposed): 0.1 ms (10.0%)" in summary and abs(exposed_pct - 10.0) < 1e-9
+    # GEMMs [0, 300), element-wise [250, 400) and [600, 700), NCCL [300, 500), a memcpy [900, 1000):
+    # of 1 ms, [500, 600) and [700, 900) have no kernel.
+    activities = [Activity("gemm", 0, 300, "gemm"), Activity("silu", 250, 400, "elementwise"),
+                  Activity("add", 600, 700, "elementwise"), Activity("ncclDevKernel_SendRecv", 300, 500, "communication"),
+                  Activity("Memcpy HtoD", 900, 1000, "other")]
+    result = breakdown(activities, steps=2)
+    assert result.wall_us == 1000 and result.busy_us["elementwise"] == 250 and result.busy_us["communication"] == 200
+    # [250, 300) is the GEMM's; NCCL's [300, 500) has element-wise work beside it until 400.
+    assert result.exclusive_us == {"gemm": 300, "attention": 0, "loss": 0, "elementwise": 200, "optimizer": 0,
+                                   "fsdp": 0, "other": 100, "communication": 100}
+    assert result.idle_us == 300 and abs(result.exposed_communication_pct - 10.0) < 1e-9
+    assert result.as_dict()["step_ms"] == 0.5 and result.as_dict()["idle_ms"] == 0.15
+    assert result.top["elementwise"] == [("silu", 150, 1), ("add", 100, 1)]
 
 
-def test_symmetric_memory_copies_count_as_communication():
-    assert bench.is_communication("Memcpy PtoP (Device -> Device)")
-    assert bench.is_communication("Memcpy DtoD (Device -> Device)")
-    assert bench.is_communication("ncclDevKernel_AllGather_RING_LL")
-    assert not bench.is_communication("Memcpy HtoD (Pinned -> Device)")
-    assert not bench.is_communication("sm90_xmma_gemm_bf16bf16_bf16f32")
+def test_readme_gets_the_breakdown_of_the_newest_profiled_run_of_each_setup(tmp_path):
+    from tools.profile_breakdown import CATEGORIES
+
+    ms = {category: float(i + 1) for i, category in enumerate(CATEGORIES)}
+    busy = {**ms, "communication": 20.0}
+    step_ms = sum(ms.values()) + 4.0
+    profiled = {**_pipelined_run(8, 0.5, "1f1b"), "tokens_per_sec_per_gpu": 1000.0, "mfu_pct": 40.0, "seq_len": 4096,
+                "precision": "bf16", "peak_mem_gb": 20.0, "device": "NVIDIA H200", "date": "2026-12-01",
+                "commit": "aaa", "ceiling": {"gemm_s": 0.03, "attention_s": 0.005, "bubble_s": 0.004,
+                                             "seconds": 0.039, "tokens_per_sec_per_gpu": 9000.0, "mfu_pct": 61.5},
+                "profile": {"steps": 3, "step_ms": step_ms, "ms": ms, "idle_ms": 4.0, "busy_ms": busy}}
+    unprofiled = {**profiled, "commit": "bbb", "profile": None}  # newer, same setup
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(profiled) + "\n" + json.dumps(unprofiled) + "\n")
+    readme = tmp_path / "README.md"
+    table_markers, breakdown_markers = bench.README_MARKERS["table"], bench.README_MARKERS["breakdown"]
+    readme.write_text(f"{table_markers[0]}\n{table_markers[1]}\n{breakdown_markers[0]}\nstale\n{breakdown_markers[1]}\n")
+    assert bench.main(["--table", str(results), "--readme", str(readme)]) == 0
+    section = readme.read_text().partition(breakdown_markers[0])[2]
+    assert "stale" not in section and "2026-12-01, aaa" in section and "bbb" not in section
+    lines = section.splitlines()
+    gemm = next(line for line in lines if line.startswith("| GEMMs"))
+    assert f"| {ms['gemm']:.1f} ({100 * ms['gemm'] / step_ms:.1f}%); ceiling 30.0 |" in gemm
+    assert "| 39.0, 61.5% |" in next(line for line in lines if line.startswith("| ceiling"))
+    assert "(20.0)" in next(line for line in lines if line.startswith("| communication"))
+    # A README without the breakdown's markers gets the table alone.
+    readme.write_text(f"{table_markers[0]}\n{table_markers[1]}\n")
+    assert bench.main(["--table", str(results), "--readme", str(readme)]) == 0
+    assert "1,000" in readme.read_text()
+
+
+def test_a_profile_directory_that_cannot_be_made_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    monkeypatch.setattr(bench, "run", lambda *args: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--shape", "tiny", "--steps", "4", "--warmup", "1", "--profile", str(taken / "profile")])
+    assert stopped.value.code == 2 and f"--profile {taken / 'profile'}" in capsys.readouterr().err

@@ -69,3 +69,32 @@ def test_mfu_follows_the_benchmark_convention():
     per_token = flops.flops_per_token(get_model_config("llama3-8b"), 8192)
     assert step.mfu() == pytest.approx(per_token * step.tokens_per_sec_per_gpu / 989e12)
     assert 0.3 < step.mfu() < 0.75
+
+
+def test_the_ceiling_is_the_gemms_and_attention_alone_at_the_measured_rates():
+    from dtrain.plan.hardware import H200, TERA
+    from models import flops
+    from models.config import get_model_config
+
+    def config(*args: str):
+        return load_config(["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "4", "--compile", *args])
+
+    base = steptime.ceiling(config(), 1)
+    cfg = get_model_config("llama-1b")
+    tokens = 4 * 4096
+    # Every matmul (6 N FLOPs per token, the head included) runs between the full GEMM rate and
+    # the rate of the narrowest weight (the key and value projections').
+    matmul_flops = 6 * flops.matmul_params(cfg) * tokens
+    narrowest = cfg.num_kv_heads * cfg.head_dim
+    slowest = H200.gemm_tflops * narrowest / (narrowest + H200.gemm_half_dim)
+    assert matmul_flops / (H200.gemm_tflops * TERA) < base.gemm < matmul_flops / (slowest * TERA)
+    assert base.attention > 0 and base.bubble == 0
+    predicted = steptime.predict_step(config(), 1)
+    assert base.seconds < predicted.seconds and base.mfu() > predicted.mfu()
+    assert abs(base.mfu() - flops.flops_per_token(cfg, 4096) * tokens / base.seconds / (H200.peak_tflops * TERA)) < 1e-12
+    # Full recompute runs the forward's matmuls again; FP8 runs the blocks' matmuls faster.
+    recomputed = steptime.ceiling(config("--recompute", "full"), 1)
+    assert recomputed.gemm > base.gemm and recomputed.attention > base.attention
+    assert steptime.ceiling(config("--fp8", "tensorwise"), 1).gemm < base.gemm
+    # A pipeline keeps its bubble, even with nothing but matmuls.
+    assert steptime.ceiling(config("--mesh", "pp=2", "--global-batch", "8", "--micro-batch", "1"), 2).bubble > 0

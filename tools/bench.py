@@ -8,7 +8,14 @@ BENCHMARKS.md. Packed documents need no dataset: `-- --document-mask --synthetic
 2048` packs synthetic documents of random lengths (mean 2048) into every sample; the JSON line then
 also has `mfu_document_attention_pct`, the MFU of the attention the documents needed. Arguments after `--` go to dtrain's own CLI (`python -m dtrain.run --help`).
 `--table FILE` renders the JSON lines of FILE as a markdown table instead, and with
-`--readme README.md` writes it between the README's benchmark markers.
+`--readme README.md` writes it between the README's benchmark markers (and, where the README has
+its markers, the breakdown of the newest profiled run of each setup beside its ceiling).
+
+`--profile DIR` profiles 3 steps after warm-up and writes where each rank's time went: every
+kernel in one category (GEMMs, attention, the loss, element-wise and norms, the optimizer, FSDP's
+copies, other, communication) or idle (tools/profile_breakdown.py), beside the ceiling of the
+step, its GEMMs and attention alone at the planner's rates (dtrain/plan/steptime.py). Every JSON
+line carries the ceiling; a profiled one carries rank 0's breakdown too.
 
 `--attention SETUP|all` times attention sub-blocks alone instead, llama-1b's GQA beside DeepSeek's
 MLA (tools/bench_attention.py).
@@ -24,12 +31,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 # Named shapes: model preset and the data shape that BENCHMARKS.md measures it with.
@@ -55,6 +62,9 @@ README_MARKERS = {
               "<!-- end of benchmark table -->"),
     "bubble": ("<!-- bubble table: python -m tools.bench --bubble benchmarks/results.jsonl --readme README.md -->",
                "<!-- end of bubble table -->"),
+    # Written with the table, where the README has these markers.
+    "breakdown": ("<!-- step breakdown: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
+                  "<!-- end of step breakdown -->"),
 }
 
 
@@ -80,54 +90,18 @@ def _commit() -> str:
         return "unknown"
 
 
-def _covered_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    covered, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            covered += end - max(start, reach)
-            reach = end
-    return covered
-
-
-def is_communication(kernel_name: str) -> bool:
-    """NCCL's kernels, and the GPU-to-GPU copies of symmetric memory (tensor parallelism's fused
-    all-gather and reduce-scatter matmuls move shards as device-to-device or peer copies)."""
-    name = kernel_name.lower()
-    return "nccl" in name or name.startswith(("memcpy dtod", "memcpy ptop"))
-
-
-def gpu_busy_summary(events, wall_s: float) -> tuple[str, float]:
-    """How much of the profiled wall time some GPU kernel ran, for compute and for communication
-    kernels apart (the time neither covers is the GPU waiting for the host), and how much of it
-    communication ran with no compute beside it: the exposed communication, returned as a
-    percentage of the wall time with the text."""
-    from torch.autograd import DeviceType
-
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-    spans = {kind: [(e.time_range.start, e.time_range.end) for e in kernels
-                    if is_communication(e.name) == (kind == "communication")]
-             for kind in ("compute", "communication")}
-    wall_us = wall_s * 1e6
-    lines = [f"profiled wall time: {wall_s * 1e3:.1f} ms"]
-    for kind, intervals in spans.items():
-        covered = _covered_us(intervals)
-        lines.append(f"{kind} kernels running: {covered / 1e3:.1f} ms ({100 * covered / wall_us:.1f}%)")
-    busy = _covered_us(spans["compute"] + spans["communication"])
-    exposed = busy - _covered_us(spans["compute"])
-    lines.append(f"communication with no compute beside it (exposed): {exposed / 1e3:.1f} ms "
-                 f"({100 * exposed / wall_us:.1f}%)")
-    lines.append(f"no kernel running: {(wall_us - busy) / 1e3:.1f} ms ({100 * (wall_us - busy) / wall_us:.1f}%)")
-    return "\n".join(lines) + "\n", 100 * exposed / wall_us
+PROFILED_STEPS = 3
 
 
 class Profiler:
-    """Profiles three steps after warm-up and writes to `out_dir` how busy the GPU was and the top kernels."""
+    """Profiles PROFILED_STEPS steps after warm-up (fewer where the run ends sooner) and writes to
+    `out_dir`, per rank, where their time went (tools/profile_breakdown.py) beside the step's
+    ceiling, and the ops and kernels with the most time."""
 
-    def __init__(self, out_dir: Path | None, first_step: int):
-        self.out_dir, self.first_step, self.profiler = out_dir, first_step, None
-        self.started = 0.0
-        self.exposed_communication_pct: float | None = None
+    def __init__(self, out_dir: Path | None, first_step: int, ceiling=lambda: None):
+        self.out_dir, self.first_step, self.ceiling = out_dir, first_step, ceiling
+        self.profiler = None
+        self.breakdown = None  # this rank's, once profiled
 
     def __call__(self, step: int) -> None:
         import torch
@@ -140,25 +114,56 @@ class Profiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
-            self.started = time.perf_counter()
-        elif step == self.first_step + 3 and self.profiler is not None:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            wall_s = time.perf_counter() - self.started
-            self.profiler.__exit__(None, None, None)
-            rank = os.environ.get("RANK", "0")
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-            table = self.profiler.key_averages().table(sort_by=sort, row_limit=40)
-            summary, self.exposed_communication_pct = gpu_busy_summary(self.profiler.events(), wall_s)
-            (self.out_dir / f"profile_rank{rank}.txt").write_text(f"{summary}\n{table}")
-            self.profiler = None
+        elif step == self.first_step + PROFILED_STEPS:
+            self.finish(PROFILED_STEPS)
+
+    def finish(self, steps: int) -> None:
+        """Stops the profiler after `steps` steps (all of them complete) and writes its files."""
+        import torch
+
+        from tools import profile_breakdown
+
+        if self.profiler is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profiler.__exit__(None, None, None)
+        rank = os.environ.get("RANK", "0")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.breakdown = profile_breakdown.breakdown(
+            profile_breakdown.profile_activities(self.profiler.profiler.kineto_results.events()), steps)
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        table = self.profiler.key_averages().table(sort_by=sort, row_limit=40)
+        ceiling = self.ceiling()
+        (self.out_dir / f"profile_rank{rank}.txt").write_text(
+            f"{self.breakdown.table()}\n{ceiling_line(ceiling)}\n\n{table}")
+        (self.out_dir / f"profile_rank{rank}.json").write_text(
+            json.dumps({"rank": int(rank), **self.breakdown.as_dict(), "ceiling": ceiling}) + "\n")
+        self.profiler = None
+
+
+def ceiling_line(ceiling: dict | None) -> str:
+    """The ceiling of a step in words (dtrain/plan/steptime.py's Ceiling.as_dict)."""
+    if ceiling is None:
+        return "ceiling: -"
+    bubble = f" + bubble {_ms(ceiling['bubble_s'])}" if ceiling["bubble_s"] else ""
+    return (f"ceiling, GEMMs and attention alone at the planner's H200 rates (dtrain/plan/hardware.py): "
+            f"{_ms(ceiling['seconds'])} ms per step (GEMMs {_ms(ceiling['gemm_s'])} + attention "
+            f"{_ms(ceiling['attention_s'])}{bubble}), {ceiling['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU, "
+            f"MFU {ceiling['mfu_pct']:.1f}%")
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds with a decimal, or three significant digits below 10 ms."""
+    ms = 1e3 * seconds
+    return f"{ms:,.1f}" if ms >= 10 else f"{ms:.3g}"
 
 
 def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path | None = None) -> dict | None:
     import torch
 
     from dtrain.config import load_config
+    from dtrain.plan import advice, steptime
     from dtrain.plan.validate import with_global_batch
     from dtrain.train import train
 
@@ -166,8 +171,16 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
     argv = [*SHAPES[shape], "--data", "synthetic", "--steps", str(steps), "--warmup-steps", "2", "--lr", "3e-4",
             "--run-dir", f"runs/bench-{shape}"]
     config = with_global_batch(load_config(argv + extra), world_size)
-    profiler = Profiler(profile_dir, warmup)
+
+    @functools.cache
+    def ceiling() -> dict:
+        """Asked once the run has checked the configuration, with the layout --mesh auto took."""
+        resolved = advice.choose(config, world_size) if config.parallel.mesh == "auto" else config
+        return steptime.ceiling(with_global_batch(resolved, world_size), world_size).as_dict()
+
+    profiler = Profiler(profile_dir, warmup, ceiling)
     history = train(config, before_step=profiler)
+    profiler.finish(max(1, len(history) - warmup))
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     timed = history[warmup:]
@@ -186,10 +199,13 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
         "mfu_document_attention_pct": (round(statistics.median(h["perf/mfu_document_attention"] for h in timed), 2)
                                        if "perf/mfu_document_attention" in timed[0] else None),
         "peak_mem_gb": round(max(h["mem/peak_gb"] for h in timed), 2),
-        # Rank 0's, with --profile on GPUs: the share of the profiled steps' wall time in which
-        # only communication kernels ran.
-        "exposed_communication_pct": (round(profiler.exposed_communication_pct, 2)
-                                      if profiler.exposed_communication_pct is not None else None),
+        # With --profile, rank 0's: the share of the profiled steps' wall time in which only
+        # communication kernels ran, and where the steps' time went.
+        "exposed_communication_pct": (round(profiler.breakdown.exposed_communication_pct, 2)
+                                      if profiler.breakdown is not None else None),
+        "profile": profiler.breakdown.as_dict() if profiler.breakdown is not None else None,
+        # The step if only its GEMMs and attention ran, at the planner's H200 rates.
+        "ceiling": ceiling(),
         "final_loss": round(history[-1]["train/loss"], 4), "steps": steps, "warmup": warmup,
         "args": extra, "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -205,16 +221,22 @@ def _options(row: dict, leave_out: tuple[str, ...] = ("--mesh", "--run-dir")) ->
     return run_options(row, leave_out)
 
 
-def table(path: Path) -> str:
-    """The README table from JSON lines written by this tool: the newest run of each setup."""
+def _newest(path: Path, keep=lambda row: True) -> list[dict]:
+    """The newest row of each setup among those `keep` takes, in the README's order."""
     newest: dict[tuple, dict] = {}
     for line in path.read_text().splitlines():
         if line.startswith("{"):
             r = json.loads(line)
-            newest[(r["shape"], r["gpus"], r["mesh"], r["micro_batch"], r["global_batch"], *_options(r))] = r
+            if keep(r):
+                newest[(r["shape"], r["gpus"], r["mesh"], r["micro_batch"], r["global_batch"], *_options(r))] = r
     order = {shape: i for i, shape in enumerate(SHAPES)}
-    rows = sorted(newest.values(), key=lambda r: (order.get(r["shape"], len(order)), r["gpus"], r["seq_len"],
+    return sorted(newest.values(), key=lambda r: (order.get(r["shape"], len(order)), r["gpus"], r["seq_len"],
                                                   r["mesh"], r["global_batch"], _options(r)))
+
+
+def table(path: Path) -> str:
+    """The README table from JSON lines written by this tool: the newest run of each setup."""
+    rows = _newest(path)
     lines = ["| shape | GPUs | mesh | seq | micro/global batch | precision | options | tok/s/GPU | MFU | peak mem/GPU | date, commit |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -228,6 +250,47 @@ def table(path: Path) -> str:
             f"{r['micro_batch']}/{r['global_batch']} | {r['precision']} | {options} | "
             f"{r['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {r['peak_mem_gb']:.1f} GB | {r['date']}, {r['commit']} |"
         )
+    return "\n".join(lines)
+
+
+def breakdowns(path: Path) -> str:
+    """Where the steps of the newest profiled run of each setup went (rank 0, ms per step and
+    share of the profiled step), beside the ceiling of the setup."""
+    from tools.profile_breakdown import CATEGORIES
+
+    rows = _newest(path, keep=lambda r: r.get("profile") is not None)
+    if not rows:
+        return "(no profiled runs: `python -m tools.bench --profile DIR` makes one)"
+
+    def cell(ms: float, r: dict) -> str:
+        return f"{ms:,.1f} ({100 * ms / r['profile']['step_ms']:.1f}%)"
+
+    def ceiling_of(r: dict, key: str) -> str:
+        return _ms(r["ceiling"][key]) if r.get("ceiling") else "-"
+
+    columns = [f"{r['shape']}, {r['gpus']}x {r['device'].replace('NVIDIA ', '')}, {r['mesh']}, "
+               f"{' '.join(_options(r)) or '-'}" for r in rows]
+    lines = ["| ms per step (share of the profiled step) | " + " | ".join(columns) + " |",
+             "|---|" + "---|" * len(rows)]
+
+    def add(label: str, cells) -> None:
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    for category, label in CATEGORIES.items():
+        cells = [cell(r["profile"]["ms"][category], r) for r in rows]
+        if category in ("gemm", "attention"):
+            cells = [f"{c}; ceiling {ceiling_of(r, f'{category}_s')}" for c, r in zip(cells, rows)]
+        elif category == "communication":
+            label = "communication with no other kernel beside it (all of it)"
+            cells = [f"{c} ({r['profile']['busy_ms'][category]:,.1f})" for c, r in zip(cells, rows)]
+        add(label, cells)
+    add("idle (no kernel running)", [cell(r["profile"]["idle_ms"], r) for r in rows])
+    add("profiled step", [f"{r['profile']['step_ms']:,.1f}" for r in rows])
+    add("median step, MFU", [f"{1e3 * r['median_step_s']:,.1f}, {r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None
+                             else f"{1e3 * r['median_step_s']:,.1f}" for r in rows])
+    add("ceiling: step, MFU", [f"{ceiling_of(r, 'seconds')}, {r['ceiling']['mfu_pct']:.1f}%" if r.get("ceiling")
+                               else "-" for r in rows])
+    add("date, commit", [f"{r['date']}, {r['commit']}" for r in rows])
     return "\n".join(lines)
 
 
@@ -284,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
     parser.add_argument("--profile", type=Path, metavar="DIR",
-                        help="profile 3 steps after warm-up; write each rank's top kernels to DIR")
+                        help=f"profile {PROFILED_STEPS} steps after warm-up; write where each rank's time went "
+                        "and its top kernels to DIR (profile_rank<r>.txt and .json), and rank 0's breakdown "
+                        "into the JSON line")
     parser.add_argument("--table", type=Path, help="print the markdown table of a JSON-lines file and exit")
     parser.add_argument("--bubble", type=Path, metavar="FILE",
                         help="print the measured pipeline bubbles of the runs in a JSON-lines file and exit")
@@ -310,10 +375,17 @@ def main(argv: list[str] | None = None) -> int:
             rendered = render(source)
             if args.readme:
                 write_into_readme(args.readme, kind, rendered)
+                if kind == "table" and README_MARKERS["breakdown"][0] in args.readme.read_text():
+                    write_into_readme(args.readme, "breakdown", breakdowns(source))
             print(rendered)
             return 0
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    if args.profile is not None:
+        try:  # before the run, rather than losing its profile at the end
+            args.profile.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--profile {args.profile}: {error.strerror}; give a directory this process can write")
     run(args.shape, args.steps, args.warmup, extra, args.profile)
     return 0
 

@@ -6,8 +6,9 @@ their JSON lines to a results file:
 
 `--list` shows the setups. A setup runs when the machine has the GPUs it needs (`--gpus`); with
 `--only`, when its name contains one of the given strings; with `--group`, when it belongs to that
-comparison (`GROUPS`). `--profile DIR` profiles every setup that runs (DIR/<setup>/), and adds its
-exposed communication to the results. `--budget` stops starting new setups after that many
+comparison (`GROUPS`). `--profile DIR` profiles every setup that runs (DIR/<setup>/), and adds
+where its steps' time went to the results (`--group breakdown --profile DIR` for the README's
+breakdown of llama-1b and llama-8b). `--budget` stops starting new setups after that many
 seconds, so a time-limited machine returns what it measured.
 """
 
@@ -133,6 +134,8 @@ SUITE: dict[str, tuple[int, list[str]]] = {
 GROUPS: dict[str, list[str]] = {
     "tp-overlap": [f"{shape} {mesh}" for shape in ("llama-1b", "llama-8b", "llama-70b-4l")
                    for mesh in ("dp=2", "tp=2", "tp=2 sp", "tp=2 sp unfused")],
+    # Where the steps of issue 22's targets go (with --profile): bf16 and the fastest FP8 setup of each.
+    "breakdown": ["llama-1b single", "llama-1b single fp8 head", "llama-8b dp=2", "llama-8b dp=2 fp8 head no-reshard"],
 }
 
 

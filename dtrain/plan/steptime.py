@@ -12,6 +12,9 @@ context and expert parallelism's collectives wait for their data; FSDP's all-gat
 reduce-scatters overlap the compute and cost what they do not hide, and slow the compute they
 overlap. A pipeline adds its schedule's bubble; the optimizer step reads and writes the rank's
 fp32 state once.
+
+`ceiling(config, world_size)` is the same step with only its GEMMs and attention: the bound that
+`python -m tools.bench --profile` sets each measured step's breakdown beside.
 """
 
 from __future__ import annotations
@@ -36,10 +39,32 @@ OPTIMIZER_BYTES = 32
 # FSDP's copies per gathered element and step: the fp32 shard cast into the all-gather input and
 # copied out of its output, the gradient cast to fp32 into the reduce-scatter input and out.
 FSDP_COPY_BYTES = 24
+# How many times a block's forward and backward run their matmuls and element-wise kernels, per
+# recompute mode: full recompute runs the forward (a third of the matmuls) and its element-wise
+# kernels again; selective keeps the matmuls' outputs and recomputes the element-wise kernels.
+MATMULS_RUN = {"none": 1.0, "selective": 1.0, "full": 4 / 3}
+ELEMENTWISE_RUN = {"none": 1.0, "selective": 4 / 3, "full": 1.5}
+
+
+class _Throughput:
+    """Tokens/s per GPU and MFU of a step of `seconds` over `tokens` on `world_size` ranks."""
+
+    seconds: float
+    tokens: int
+    world_size: int
+    flops_per_token: float
+
+    @property
+    def tokens_per_sec_per_gpu(self) -> float:
+        return self.tokens / self.seconds / self.world_size
+
+    def mfu(self, hardware: Hardware = H200) -> float:
+        """Model FLOPs utilisation (BENCHMARKS.md's convention), as a fraction."""
+        return self.flops_per_token * self.tokens_per_sec_per_gpu / (hardware.peak_tflops * TERA)
 
 
 @attrs.frozen
-class StepTime:
+class StepTime(_Throughput):
     """Seconds of one optimizer step on the slowest rank, by what they are spent on."""
 
     compute: float          # GEMMs, attention, element-wise kernels (recompute included)
@@ -56,25 +81,69 @@ class StepTime:
     def seconds(self) -> float:
         return self.compute + self.communication + self.fsdp_exposed + self.bubble + self.optimizer + self.overhead
 
-    @property
-    def tokens_per_sec_per_gpu(self) -> float:
-        return self.tokens / self.seconds / self.world_size
-
-    def mfu(self, hardware: Hardware = H200) -> float:
-        """Model FLOPs utilisation (BENCHMARKS.md's convention), as a fraction."""
-        return self.flops_per_token * self.tokens_per_sec_per_gpu / (hardware.peak_tflops * TERA)
-
     def as_dict(self) -> dict[str, float]:
         names = ("compute", "communication", "fsdp_exposed", "bubble", "optimizer", "overhead")
         return {name: round(getattr(self, name), 4) for name in names} | {"seconds": round(self.seconds, 4)}
 
 
+@attrs.frozen
+class Ceiling(_Throughput):
+    """The step of the slowest rank if only its GEMMs and attention took time, at `hardware`'s
+    measured rates: what the step would be with every element-wise kernel, collective and host
+    stall gone. Matmuls a recompute mode runs again count, and so does a pipeline's bubble (the
+    schedule's, not the kernels')."""
+
+    gemm: float             # seconds per step: the blocks' and the head's matmuls
+    attention: float
+    bubble: float
+    tokens: int             # per step, all ranks
+    world_size: int
+    flops_per_token: float
+
+    @property
+    def seconds(self) -> float:
+        return self.gemm + self.attention + self.bubble
+
+    def as_dict(self, hardware: Hardware = H200) -> dict[str, float]:
+        return {"gemm_s": round(self.gemm, 5), "attention_s": round(self.attention, 5),
+                "bubble_s": round(self.bubble, 5), "seconds": round(self.seconds, 5),
+                "tokens_per_sec_per_gpu": round(self.tokens_per_sec_per_gpu, 1),
+                "mfu_pct": round(100 * self.mfu(hardware), 2)}
+
+
 def predict_step(config: Config, world_size: int, hardware: Hardware = H200) -> StepTime:
     """The step time of `config` in a world of `world_size` ranks on `hardware`."""
+    return max((predict_workload(w, hardware) for w in _slowest_candidates(config, world_size)),
+               key=lambda s: s.seconds)
+
+
+def ceiling(config: Config, world_size: int, hardware: Hardware = H200) -> Ceiling:
+    """The step of `config` if only GEMMs and attention took time (see Ceiling)."""
+    return max((_workload_ceiling(w, hardware) for w in _slowest_candidates(config, world_size)),
+               key=lambda c: c.seconds)
+
+
+def _slowest_candidates(config: Config, world_size: int) -> list[Workload]:
+    """The ranks one of which is the slowest: the first, and under pp the last stage's (the head)."""
     first = workload(config, world_size, 0)
-    pp = first.mesh_spec.pp
-    works = [first] if pp == 1 else [first, workload(config, world_size, world_size - 1)]
-    return max((predict_workload(w, hardware) for w in works), key=lambda s: s.seconds)
+    return [first] if first.mesh_spec.pp == 1 else [first, workload(config, world_size, world_size - 1)]
+
+
+def _workload_ceiling(work: Workload, hw: Hardware) -> Ceiling:
+    gemm = attention = 0.0
+    for stage in work.stages:
+        for block, mode, count in work.block_mix(stage):
+            gemm += count * MATMULS_RUN[mode] * _gemm_seconds(work, block, hw)[0]
+            attention += count * MATMULS_RUN[mode] * _attention_seconds(work, hw)
+        if stage.last:
+            gemm += _head_gemm_seconds(work, hw)[0]
+    m, p = work.num_microbatches, work.config.parallel
+    gemm, attention = m * gemm, m * attention
+    bubble_share = pipeline.bubble_fraction(p.pp_schedule, work.mesh_spec.pp, p.pp_virtual_stages, m)
+    d = work.config.data
+    return Ceiling(gemm=gemm, attention=attention, bubble=(gemm + attention) * bubble_share / (1 - bubble_share),
+                   tokens=d.global_batch * d.seq_len, world_size=work.mesh_spec.world_size,
+                   flops_per_token=_flops_per_token(work.model_cfg, d.seq_len))
 
 
 def predict_workload(work: Workload, hardware: Hardware = H200) -> StepTime:
@@ -130,17 +199,11 @@ def _residual_bytes(work: Workload) -> float:
 def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple[float, float]:
     """One micro-batch of one block on this rank: compute and waited-for communication."""
     cfg, mesh, t = work.model_cfg, work.mesh_spec, work.config.train
-    gemm = _gemm_seconds(work, block, hw)
+    gemm, casts = _gemm_seconds(work, block, hw)
     attention = _attention_seconds(work, hw)
     elementwise = (hw.elementwise_traffic * activations.block_bytes(work, block, "none")
                    / (hw.hbm_tb_s * TERA)) * (1 if t.compile else 2)
-    if mode == "full":
-        # The forward runs again in backward, its collectives too.
-        compute = (gemm + attention) * 4 / 3 + elementwise * 1.5
-    elif mode == "selective":
-        compute = gemm + attention + elementwise * 4 / 3
-    else:
-        compute = gemm + attention + elementwise
+    compute = (gemm + casts + attention) * MATMULS_RUN[mode] + elementwise * ELEMENTWISE_RUN[mode]
     comm = 0.0
     residual = work.tokens * _residual_bytes(work)
     moe = work.block_kinds[block] == "moe"
@@ -158,11 +221,12 @@ def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple
     return compute, comm
 
 
-def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> float:
+def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> tuple[float, float]:
     """The block's matmuls (forward and backward: 6 FLOPs per weight element and row) with the
-    weights' shapes on this rank; routed experts see top_k rows per token of the tp rank's share."""
+    weights' shapes on this rank, and the casts of FP8 matmuls' inputs; routed experts see top_k
+    rows per token of the tp rank's share."""
     fp8 = block in work.fp8_blocks
-    seconds = 0.0
+    gemm = casts = 0.0
     for shape, is_expert, axes in work.weights_by_kind[work.block_kinds[block]]:
         flops = 6 * math.prod(shape[-2:]) * work.tokens
         smaller = min(shape[-2:])
@@ -173,9 +237,9 @@ def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> float:
         elif fp8 and precision.is_fp8_matmul_weight(axes):
             rate = hw.fp8_gemm_tflops * smaller / (smaller + hw.gemm_half_dim)
             # Dynamic scaling reads each input and output gradient for its amax and writes its casts.
-            seconds += hw.fp8_cast_bytes * sum(shape[-2:]) * work.tokens / (hw.hbm_tb_s * TERA)
-        seconds += flops / (rate * TERA)
-    return seconds
+            casts += hw.fp8_cast_bytes * sum(shape[-2:]) * work.tokens / (hw.hbm_tb_s * TERA)
+        gemm += flops / (rate * TERA)
+    return gemm, casts
 
 
 def _attention_seconds(work: Workload, hw: Hardware) -> float:
@@ -240,17 +304,23 @@ HOST_SYNC_S = 100e-6
 def _head_seconds(work: Workload, hw: Hardware) -> float:
     """Output projection and cross-entropy: the logits are read and written a few times (fused
     with the loss on one tp rank; fp32 log-probabilities under tp or without compile)."""
-    cfg, mesh, t = work.model_cfg, work.mesh_spec, work.config.train
-    vocab = math.ceil(cfg.vocab_size / mesh.tp)
+    mesh, t = work.mesh_spec, work.config.train
+    gemm, casts = _head_gemm_seconds(work, hw)
+    fused = t.compile and mesh.tp == 1
+    logits_bytes = work.tokens * math.ceil(work.model_cfg.vocab_size / mesh.tp) * (
+        4 * DTYPE_BYTES[t.precision] if fused else 24)
+    return gemm + casts + logits_bytes / (hw.hbm_tb_s * TERA)
+
+
+def _head_gemm_seconds(work: Workload, hw: Hardware) -> tuple[float, float]:
+    """The output projection's matmuls on this rank's vocab shard, and its FP8 casts (--fp8-head)."""
+    cfg, t = work.model_cfg, work.config.train
+    vocab = math.ceil(cfg.vocab_size / work.mesh_spec.tp)
     smaller = min(vocab, cfg.dim)
     fp8 = t.fp8 is not None and t.fp8_head
     rate = (hw.fp8_gemm_tflops if fp8 else hw.gemm_tflops) * smaller / (smaller + hw.gemm_half_dim)
-    gemm = 6 * work.tokens * vocab * cfg.dim / (rate * TERA)
-    if fp8:
-        gemm += hw.fp8_cast_bytes * (vocab + cfg.dim) * work.tokens / (hw.hbm_tb_s * TERA)
-    fused = t.compile and mesh.tp == 1
-    logits_bytes = work.tokens * vocab * (4 * DTYPE_BYTES[t.precision] if fused else 24)
-    return gemm + logits_bytes / (hw.hbm_tb_s * TERA)
+    casts = hw.fp8_cast_bytes * (vocab + cfg.dim) * work.tokens / (hw.hbm_tb_s * TERA) if fp8 else 0.0
+    return 6 * work.tokens * vocab * cfg.dim / (rate * TERA), casts
 
 
 def _allreduce(size: float, ranks: int, link_gb_s: float, hw: Hardware) -> float:
