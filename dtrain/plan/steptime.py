@@ -239,18 +239,25 @@ HOST_SYNC_S = 100e-6
 
 def _head_seconds(work: Workload, hw: Hardware) -> float:
     """Output projection and cross-entropy: the logits are read and written a few times (fused
-    with the loss on one tp rank; fp32 log-probabilities under tp or without compile)."""
+    with the loss on one tp rank, or a chunk of tokens at a time; fp32 log-probabilities under tp
+    or without compile). Chunked, each chunk's share of the weight gradient is also added to an
+    fp32 sum, and the GEMMs are as small as a chunk."""
     cfg, mesh, t = work.model_cfg, work.mesh_spec, work.config.train
     vocab = math.ceil(cfg.vocab_size / mesh.tp)
-    smaller = min(vocab, cfg.dim)
     fp8 = t.fp8 is not None and t.fp8_head
+    chunk = min(t.loss_chunk_tokens, work.tokens) if t.loss_chunk_tokens else None
+    smaller = min(vocab, cfg.dim, chunk or vocab)
     rate = (hw.fp8_gemm_tflops if fp8 else hw.gemm_tflops) * smaller / (smaller + hw.gemm_half_dim)
     gemm = 6 * work.tokens * vocab * cfg.dim / (rate * TERA)
     if fp8:
         gemm += hw.fp8_cast_bytes * (vocab + cfg.dim) * work.tokens / (hw.hbm_tb_s * TERA)
-    fused = t.compile and mesh.tp == 1
-    logits_bytes = work.tokens * vocab * (4 * DTYPE_BYTES[t.precision] if fused else 24)
-    return gemm + logits_bytes / (hw.hbm_tb_s * TERA)
+    b = DTYPE_BYTES[t.precision]
+    fused = t.compile and (mesh.tp == 1 or t.loss_chunk_tokens > 0)
+    moved = work.tokens * vocab * (4 * b if fused else 24)
+    if chunk:
+        # Each later chunk's weight-gradient GEMM output, read with the fp32 sum, which is written.
+        moved += (math.ceil(work.tokens / chunk) - 1) * vocab * cfg.dim * (b + 8)
+    return gemm + moved / (hw.hbm_tb_s * TERA)
 
 
 def _allreduce(size: float, ranks: int, link_gb_s: float, hw: Hardware) -> float:
