@@ -75,11 +75,20 @@ def logit_terms(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, co
     return loss, grad.to(logits.dtype)
 
 
+def _loss_and_logit_gradients(logits, labels, vocab_start, combine, group):
+    return logit_terms(logits, labels, vocab_start, combine, group, gradients=True)
+
+
+def _loss_only(logits, labels, vocab_start, combine, group):
+    return logit_terms(logits, labels, vocab_start, combine, group, gradients=False)
+
+
 @functools.cache
 def _compiled(gradients: bool):
     """`logit_terms` compiled (made on first use: making it imports the compiler), once per chunk
-    shape: a micro-batch has at most two, the full chunk and the rest."""
-    return torch.compile(functools.partial(logit_terms, gradients=gradients), dynamic=False)
+    shape: a micro-batch has at most two, the full chunk and the rest. Two functions of their own
+    (not partials of one, whose compiled versions torch counts against one recompile limit)."""
+    return torch.compile(_loss_and_logit_gradients if gradients else _loss_only, dynamic=False)
 
 
 def chunked_loss_and_gradients(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
@@ -88,15 +97,21 @@ def chunked_loss_and_gradients(h: torch.Tensor, weight: torch.Tensor, labels: to
     """(summed loss, d loss / d h, d loss / d weight in fp32) over chunks of `chunk_tokens`
     tokens; h [..., embed], weight [vocab (slice), embed], labels [...] with -100 ignored. Without
     `gradients` the two gradients are None; with `compile` each chunk's `logit_terms` is compiled."""
-    terms = _compiled(gradients) if compile else functools.partial(logit_terms, gradients=gradients)
+    if compile:
+        terms = _compiled(gradients)
+    else:
+        terms = _loss_and_logit_gradients if gradients else _loss_only
     h_flat = h.reshape(-1, h.shape[-1])
     labels = labels.reshape(-1)
     loss = h_flat.new_zeros((), dtype=torch.float32)
     grad_h_chunks, grad_weight = [], None
     for start in range(0, h_flat.shape[0], chunk_tokens):
         h_chunk = h_flat[start:start + chunk_tokens]
-        chunk_loss, grad_logits = terms(h_chunk @ weight.t(), labels[start:start + chunk_tokens], vocab_start,
-                                        combine, group)
+        # Without autograd whatever the caller's grad mode (the gradients are made here), so that
+        # the compiled terms see one grad mode.
+        with torch.no_grad():
+            chunk_loss, grad_logits = terms(h_chunk @ weight.t(), labels[start:start + chunk_tokens], vocab_start,
+                                            combine, group)
         loss = loss + chunk_loss
         if not gradients:
             continue
@@ -108,6 +123,7 @@ def chunked_loss_and_gradients(h: torch.Tensor, weight: torch.Tensor, labels: to
         else:
             # Summed over the chunks in fp32: a bf16 sum would round once per chunk.
             grad_weight.add_(grad_logits.t() @ h_chunk)
+        del grad_logits  # before the next chunk's logits: one chunk's alive at a time
     if not gradients:
         return loss, None, None
     return loss, torch.cat(grad_h_chunks).view_as(h), grad_weight

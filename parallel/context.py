@@ -276,15 +276,7 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         weight_placement = _tp_placement(weight) if isinstance(weight, DTensor) else None
         if h_placement not in (Replicate(), Shard(SEQ_DIM)) or weight_placement not in (Replicate(), Shard(0)):
             return self.unfused_output_cross_entropy_sum(h, weight, labels)
-        h = self._gathered(h)
-        if weight_placement == Replicate():
-            # The whole vocabulary on every tp rank: each computes the whole loss and gradients.
-            return linear_cross_entropy_sum(h.to_local(), weight.to_local(), labels, chunk, self.compile_loss_chunks)
-        # This rank's gradient of h is its vocabulary slice's part: DTensor sums them over tp.
-        h_local = h.to_local(grad_placements=_on_tp(h.device_mesh, Partial()))
-        vocab_start = shard_extent(weight, 0)[1]
-        return vocab_parallel_linear_cross_entropy_sum(h_local, weight.to_local(), labels, chunk, vocab_start,
-                                                       self.tp_group, self.compile_loss_chunks)
+        return _chunked_loss_of_dtensors(h, weight, labels, chunk, self.tp_group, self.compile_loss_chunks)
 
     def per_token(self, fn, params, x):
         if not isinstance(x, DTensor):
@@ -319,6 +311,24 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
             if torch.cuda.is_available():
                 stack.enter_context(sdpa_kernel(CUDA_ATTENTION_PRIORITY, set_priority=True))
             yield
+
+
+@torch.compiler.disable
+def _chunked_loss_of_dtensors(h: DTensor, weight: DTensor, labels: torch.Tensor, chunk: int, tp_group: TpGroup,
+                              compile: bool) -> torch.Tensor:
+    """`output_cross_entropy_sum` a chunk at a time for an input whole or sequence-sharded over tp
+    and a weight whole or vocabulary-sharded over tp. Outside compiled graphs: traced, the local
+    tensors of FSDP's gathered weights change requires_grad after the first step, and the head
+    would compile again."""
+    h = ParallelContext._gathered(h)
+    if _tp_placement(weight) == Replicate():
+        # The whole vocabulary on every tp rank: each computes the whole loss and gradients.
+        return linear_cross_entropy_sum(h.to_local(), weight.to_local(), labels, chunk, compile)
+    # This rank's gradient of h is its vocabulary slice's part: DTensor sums them over tp.
+    h_local = h.to_local(grad_placements=_on_tp(h.device_mesh, Partial()))
+    vocab_start = shard_extent(weight, 0)[1]
+    return vocab_parallel_linear_cross_entropy_sum(h_local, weight.to_local(), labels, chunk, vocab_start, tp_group,
+                                                   compile)
 
 
 def _tp_placement(t) -> Placement | None:

@@ -222,12 +222,13 @@ def test_one_process_training_equals_the_unfused(tmp_path, single_run):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_training_equals_the_unfused(tmp_path, single_run):
+@pytest.mark.parametrize("compile", [[], ["--compile"]], ids=["eager", "compiled"])
+def test_tensor_parallel_training_equals_the_unfused(tmp_path, single_run, compile):
     """tp=2 with sequence parallelism (the head's input arrives split over the sequence): the
-    vocabulary-parallel chunked loss on every step (tests/workers/chunked_loss.py), the losses
-    those of one process without chunks."""
+    vocabulary-parallel chunked loss on every step, compiled at most twice per function
+    (tests/workers/chunked_loss.py), the losses those of one process without chunks."""
     args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--steps", "4", "--mesh", "tp=2", "--sequence-parallel",
-            "--loss-chunk-tokens", "48"]
+            "--loss-chunk-tokens", "48", *compile]
     result = run_cli(args, nproc=2, module="tests.workers.chunked_loss")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     parallel = scalars(tmp_path)

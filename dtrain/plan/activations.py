@@ -188,9 +188,10 @@ def chunked_head_bytes(work: Workload) -> tuple[float, float]:
     """The head under --loss-chunk-tokens (models/linear_cross_entropy.py): its forward makes the
     gradients and keeps them, the input's in the compute dtype and the weight's (its vocab shard)
     in fp32, beside what the norm keeps (its input, in fp32 in eager beside its output, and its
-    statistics). On top, the larger of the forward's chunk (its logits and their gradient, with an
-    fp32 copy and a temporary of the log-sum-exp in eager; and one chunk's share of the weight
-    gradient before it joins the fp32 sum) and the backward's scaled gradients."""
+    statistics). On top, the larger of the forward's chunk (its logits and their gradient, and in
+    eager the fp32 copy of narrower logits that becomes the gradient before its cast; and one
+    chunk's share of the weight gradient before it joins the fp32 sum) and the backward's scaled
+    gradients."""
     cfg, t = work.model_cfg, work.config.train
     b = DTYPE_BYTES[t.precision]
     d, residual, *_ = _widths(work)
@@ -198,7 +199,7 @@ def chunked_head_bytes(work: Workload) -> tuple[float, float]:
     tokens, chunk = work.tokens, min(t.loss_chunk_tokens, work.tokens)
     norm = b * residual if t.compile else 4 * residual + b * residual
     saved = tokens * (norm + b * d + 4) + 4 * vocab * d
-    forward = chunk * vocab * (2 * b if t.compile else b + 8) + b * vocab * d
+    forward = chunk * vocab * (2 * b if t.compile or b == 4 else 2 * b + 4) + b * vocab * d
     backward = b * (vocab * d + tokens * d)
     return saved, max(forward, backward)
 
