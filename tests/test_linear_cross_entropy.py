@@ -221,19 +221,31 @@ def test_one_process_training_equals_the_unfused(tmp_path, single_run):
             assert abs(a - e) <= RTOL * abs(e), f"{tag} at step {step}: chunked {a} vs unfused {e}"
 
 
+# Indexed documents with a validation split: evaluations (the loss without gradients).
+DOCUMENTS = ["--steps", "4", "--split", "90,10,0"]
+EVALUATIONS = ["--eval-every", "2", "--eval-steps", "1"]
+_REFERENCE: dict[str, dict[str, list[float]]] = {}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("compile", [[], ["--compile"]], ids=["eager", "compiled"])
-def test_tensor_parallel_training_equals_the_unfused(tmp_path, single_run, compile):
+@pytest.mark.parametrize("flags", [EVALUATIONS, ["--compile"]], ids=["eager", "compiled"])
+def test_tensor_parallel_training_equals_the_unfused(tmp_path, indexed_corpus, flags):
     """tp=2 with sequence parallelism (the head's input arrives split over the sequence): the
-    vocabulary-parallel chunked loss on every step, compiled at most twice per function
-    (tests/workers/chunked_loss.py), the losses those of one process without chunks."""
-    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--steps", "4", "--mesh", "tp=2", "--sequence-parallel",
-            "--loss-chunk-tokens", "48", *compile]
+    vocabulary-parallel chunked loss on every step (tests/workers/chunked_loss.py) and evaluation,
+    or compiled at most twice per function (without evaluations, whose grad mode compiles the
+    blocks once more), the losses those of one process without chunks."""
+    if indexed_corpus not in _REFERENCE:
+        _REFERENCE[indexed_corpus] = train_scalars(tmp_path / "single", ["--data", indexed_corpus, *DOCUMENTS,
+                                                                        *EVALUATIONS])
+    reference = _REFERENCE[indexed_corpus]
+    args = [*TINY_ARGS, "--run-dir", str(tmp_path / "tp"), "--data", indexed_corpus, *DOCUMENTS, "--mesh", "tp=2",
+            "--sequence-parallel", "--loss-chunk-tokens", "48", *flags]
     result = run_cli(args, nproc=2, module="tests.workers.chunked_loss")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    parallel = scalars(tmp_path)
-    for tag in ("train/loss", "train/grad_norm"):
-        assert len(parallel[tag]) == 4
-        for step, (a, e) in enumerate(zip(parallel[tag], single_run[tag]), 1):
+    parallel = scalars(tmp_path / "tp")
+    tags = ["train/loss", "train/grad_norm", *(["val/loss"] if flags == EVALUATIONS else [])]
+    for tag in tags:
+        assert len(parallel[tag]) == len(reference[tag]) == (2 if tag == "val/loss" else 4), tag
+        for step, (a, e) in enumerate(zip(parallel[tag], reference[tag]), 1):
             # Sums over two ranks in another order: the tolerance of the overlapped-SP test.
-            assert abs(a - e) <= 1e-5 * abs(e), f"{tag} at step {step}: tp=2 chunked {a} vs one process {e}"
+            assert abs(a - e) <= 1e-5 * abs(e), f"{tag} at {step}: tp=2 chunked {a} vs one process unfused {e}"
