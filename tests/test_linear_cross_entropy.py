@@ -1,8 +1,10 @@
 """The chunked output projection and cross-entropy (--loss-chunk-tokens): loss and gradients equal
 to the unfused path's (fp32, 1e-6 relative) for chunks that divide the tokens and chunks that do
-not, with ignored labels; in bf16 about as accurate as the unfused path; no gradient work where
-no backward comes; one compiled graph; a head whose peak memory stays below one micro-batch of
-fp32 logits; and training losses of one process and of tp=2 equal to the unfused run's."""
+not, with ignored labels, and through DeepSeek's multi-token prediction; in bf16 about as accurate
+as the unfused path; no gradient work where no backward comes; under compile, the head's graph
+ending at the chunk loop and each chunk's element-wise part one graph per chunk shape; a head whose
+peak memory stays below one micro-batch of fp32 logits; and training losses of one process and of
+tp=2 (eager with evaluations, and compiled) equal to the unfused run's."""
 
 from __future__ import annotations
 
@@ -125,7 +127,8 @@ def test_whole_model_with_multi_token_prediction_equals_the_unfused():
     assert grads.keys() == grads_0.keys()
     for path, grad in grads_0.items():
         if grad is not None and grad.any():
-            assert _relative(grads[path], grad) <= 1e-5, path
+            # Through the MTP block and its router: at most 6e-7 here.
+            assert _relative(grads[path], grad) <= 2 * RTOL, path
 
 
 def test_compiled_head_breaks_its_graph_at_the_chunk_loop_and_equals_eager(monkeypatch):
