@@ -131,6 +131,9 @@ class TrainArgs:
                                    choices=("auto", "flex", "varlen", "dense"))
     fuse_projections: bool = _field(False, "one matmul for q/k/v and one for gate/up where the weights are "
                                            "whole on the rank (tp=1)")
+    loss_chunk_tokens: int = _field(0, "compute the output projection and the cross-entropy N tokens at a time "
+                                       "(of each rank's micro-batch), with their gradients, so that the logits of "
+                                       "all tokens never exist at once (0: all at once); not with --fp8-head")
     recompute: str = _field("none", "activation recompute of blocks", choices=("none", "selective", "full"))
     recompute_layers: int = _field(0, "full recompute of the first N blocks of each pipeline stage (of the model "
                                       "when pp=1), as Megatron's --recompute-num-layers with its block method; the "

@@ -13,10 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from models import masking
+from models.linear_cross_entropy import linear_cross_entropy_sum
 from models.masking import AttentionMask
 
 # LocalContext's form of a mask: [batch, 1, seq, seq] bool, built with the mask.
 DENSE_FORM = "dense"
+
+LOGITS = ("batch", "seq", "vocab")
 
 
 class ModelContext(Protocol):
@@ -48,6 +51,11 @@ class ModelContext(Protocol):
 
     def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy in fp32; labels of -100 are ignored."""
+
+    def output_cross_entropy_sum(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """`cross_entropy_sum` of the logits `linear(h, weight)` (weight [vocab, embed]), laid out
+        as ("batch", "seq", "vocab") in the "logits" region; computed a chunk of tokens at a time
+        where the context is set to, so that the logits of all tokens never exist at once."""
 
     def per_token(self, fn, params: dict, x: torch.Tensor) -> torch.Tensor:
         """`fn(params, x)` for a computation that treats each token on its own (MoE routing and
@@ -185,9 +193,14 @@ class LocalContext:
     """Everything on one device: no constraints, plain matmuls, SDPA with its default kernel choice.
 
     `fuse_projections` makes `linear_many` one matmul over the concatenated weights. It is off by
-    default: on H200s with compiled blocks it measured slower (the README's benchmark table)."""
+    default: on H200s with compiled blocks it measured slower (the README's benchmark table).
+    `loss_chunk_tokens` > 0 makes `output_cross_entropy_sum` take that many tokens at a time
+    (models/linear_cross_entropy.py), each chunk's element-wise part compiled with
+    `compile_loss_chunks`."""
 
     fuse_projections: bool = False
+    loss_chunk_tokens: int = 0
+    compile_loss_chunks: bool = False
 
     def constrain(self, x, axes, region):
         return x
@@ -231,6 +244,15 @@ class LocalContext:
         return F.cross_entropy(
             logits.flatten(0, -2).float(), labels.flatten(), reduction="sum", ignore_index=-100
         )
+
+    def output_cross_entropy_sum(self, h, weight, labels):
+        if self.loss_chunk_tokens:
+            return linear_cross_entropy_sum(h, weight, labels, self.loss_chunk_tokens, self.compile_loss_chunks)
+        return self.unfused_output_cross_entropy_sum(h, weight, labels)
+
+    def unfused_output_cross_entropy_sum(self, h, weight, labels):
+        """The logits of every token at once, then their loss."""
+        return self.cross_entropy_sum(self.constrain(self.linear(h, weight), LOGITS, "logits"), labels)
 
     def experts(self, x, counts, w_gate, w_up, w_down):
         return grouped_swiglu(x, counts, w_gate, w_up, w_down)

@@ -54,8 +54,7 @@ def block_forward(p: dict, x: torch.Tensor, aux: Aux, ctx: ModelContext, *, cfg:
 def head_forward(p: dict, x: torch.Tensor, aux: Aux, ctx: ModelContext, *, cfg: LlamaConfig) -> torch.Tensor:
     """Final norm, output projection and the summed cross-entropy against `aux.labels`."""
     h = ctx.constrain(rms_norm(x, p["norm"], cfg.norm_eps), RESIDUAL, "block_input")
-    logits = ctx.constrain(ctx.linear(h, p["output"]), ("batch", "seq", "vocab"), "logits")
-    return ctx.cross_entropy_sum(logits, aux.labels)
+    return ctx.output_cross_entropy_sum(h, p["output"], aux.labels)
 
 
 def init_stds(cfg) -> tuple[float, float]:

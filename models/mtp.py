@@ -92,9 +92,8 @@ def mtp_forward(p: dict, x: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg,
         h = ctx.constrain(ctx.linear(joined, module["eh_proj"]), RESIDUAL, "residual")
         h = block_forward(module["block"], h, aux, ctx, index=cfg.num_layers + k)
         h = ctx.constrain(rms_norm(h, module["norm"], cfg.norm_eps), RESIDUAL, "block_input")
-        logits = ctx.constrain(ctx.linear(h, p["output"]), ("batch", "seq", "vocab"), "logits")
         labels = targets[..., k, 1]
-        loss = ctx.cross_entropy_sum(logits, labels)
+        loss = ctx.output_cross_entropy_sum(h, p["output"], labels)
         stats = getattr(aux, "mtp_stats", None)
         if stats is not None:
             _record(stats, k, loss, (labels != -100).sum())

@@ -18,13 +18,14 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.context import LocalContext, causal_attention
+from models.linear_cross_entropy import linear_cross_entropy_sum
 from models.masking import AttentionMask
 from parallel import masked_attention
 from parallel.context_parallel import WHOLE_ROW, context_parallel_attention, mask_sites
 from parallel.expert_parallel import ExpertParallelContextMixin
 from parallel.plan import Plan
 from parallel.tensor_parallel import (SEQ_DIM, AllGatherLinear, LinearReduceScatter, TpGroup,
-                                      VocabParallelCrossEntropySum)
+                                      VocabParallelCrossEntropySum, vocab_parallel_linear_cross_entropy_sum)
 
 logger = logging.getLogger("dtrain")
 
@@ -264,6 +265,19 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
             return VocabParallelCrossEntropySum.apply(logits.to_local(), labels, vocab_start, self.tp_group)
         return super().cross_entropy_sum(logits.full_tensor(), labels)
 
+    def output_cross_entropy_sum(self, h, weight, labels):
+        chunk = self.loss_chunk_tokens
+        # An FP8 output projection keeps its own matmul (and its casts) on the whole logits.
+        if not chunk or self.fp8_linear is not None:
+            return self.unfused_output_cross_entropy_sum(h, weight, labels)
+        if not isinstance(h, DTensor) and not isinstance(weight, DTensor):
+            return linear_cross_entropy_sum(h, weight, labels, chunk, self.compile_loss_chunks)
+        h_placement = _tp_placement(h) if isinstance(h, DTensor) else None
+        weight_placement = _tp_placement(weight) if isinstance(weight, DTensor) else None
+        if h_placement not in (Replicate(), Shard(SEQ_DIM)) or weight_placement not in (Replicate(), Shard(0)):
+            return self.unfused_output_cross_entropy_sum(h, weight, labels)
+        return _chunked_loss_of_dtensors(h, weight, labels, chunk, self.tp_group, self.compile_loss_chunks)
+
     def per_token(self, fn, params, x):
         if not isinstance(x, DTensor):
             return fn(params, x)
@@ -297,6 +311,24 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
             if torch.cuda.is_available():
                 stack.enter_context(sdpa_kernel(CUDA_ATTENTION_PRIORITY, set_priority=True))
             yield
+
+
+@torch.compiler.disable
+def _chunked_loss_of_dtensors(h: DTensor, weight: DTensor, labels: torch.Tensor, chunk: int, tp_group: TpGroup,
+                              compile: bool) -> torch.Tensor:
+    """`output_cross_entropy_sum` a chunk at a time for an input whole or sequence-sharded over tp
+    and a weight whole or vocabulary-sharded over tp. Outside compiled graphs: traced, the local
+    tensors of FSDP's gathered weights change requires_grad after the first step, and the head
+    would compile again."""
+    h = ParallelContext._gathered(h)
+    if _tp_placement(weight) == Replicate():
+        # The whole vocabulary on every tp rank: each computes the whole loss and gradients.
+        return linear_cross_entropy_sum(h.to_local(), weight.to_local(), labels, chunk, compile)
+    # This rank's gradient of h is its vocabulary slice's part: DTensor sums them over tp.
+    h_local = h.to_local(grad_placements=_on_tp(h.device_mesh, Partial()))
+    vocab_start = shard_extent(weight, 0)[1]
+    return vocab_parallel_linear_cross_entropy_sum(h_local, weight.to_local(), labels, chunk, vocab_start, tp_group,
+                                                   compile)
 
 
 def _tp_placement(t) -> Placement | None:

@@ -21,8 +21,8 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
                 compile_blocks: bool = False, async_tp: bool = False, tp_overlap: str | None = None,
                 cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None, ep_dispatch: str = "alltoall",
                 fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fp8_head: bool = False,
-                fuse_projections: bool = False, reshard_mode: str = "default", attention_kernel: str = "auto",
-                full_recompute: frozenset[str] = frozenset(), cpu_offload: bool = False,
+                fuse_projections: bool = False, loss_chunk_tokens: int = 0, reshard_mode: str = "default",
+                attention_kernel: str = "auto", full_recompute: frozenset[str] = frozenset(), cpu_offload: bool = False,
                 ) -> tuple[ModelModule, ParallelContext]:
     """This rank's model: parameters placed by the plan, blocks wrapped for recompute (the blocks
     named in `full_recompute` fully, the others by `recompute_mode`) and compile, FSDP2 applied.
@@ -31,6 +31,8 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
     ctx = ParallelContext(plan, mesh, cp_method, expert_mesh, device=device if device.type != "meta" else None,
                           compute_dtype=compute_dtype, attention_kernel=attention_kernel)
     ctx.fuse_projections = fuse_projections
+    ctx.loss_chunk_tokens = loss_chunk_tokens
+    ctx.compile_loss_chunks = compile_blocks
     ctx.compile_experts = compile_blocks
     ctx.ep_dispatch = ep_dispatch
     if async_tp:

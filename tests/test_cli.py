@@ -24,6 +24,8 @@ BAD_INPUTS = [
     (["--cpu-offload", "--fp8", "tensorwise"], "add --no-fp8-all-gather"),
     (["--world-size", "2"], "--world-size 2 is for --dry-run and --print-plan; this run has 1 process"),
     (["--dry-run-rank", "0"], "--dry-run-rank needs --dry-run"),
+    (["--loss-chunk-tokens", "-1"], "--loss-chunk-tokens -1 must be >= 0"),
+    (["--fp8", "tensorwise", "--fp8-head", "--loss-chunk-tokens", "64"], "--fp8-head runs it in FP8"),
 ]
 
 

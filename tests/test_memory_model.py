@@ -91,6 +91,33 @@ def test_block_activations_are_what_autograd_saves(model, overrides, args, mode,
     assert predicted == pytest.approx(measured_bytes, rel=0.04), (predicted, measured_bytes)
 
 
+@pytest.mark.parametrize("args", [[], ["--compile"]], ids=["eager", "compiled"])
+def test_chunked_head_saves_what_the_model_counts(args):
+    """--loss-chunk-tokens: the head keeps the gradients its forward made (the weight's in fp32)
+    instead of the logits; 1024 tokens, so that neither is the size of the other."""
+    config = load_config(["--model", "tiny", "--model-overrides", SMALL, "--seq-len", "512", "--micro-batch", "2",
+                          "--precision", "bf16", "--loss-chunk-tokens", "384", *args])
+    work = workload(config, 1, device_type="cpu")
+    head = families.layers(work.model_cfg)[-1]
+    params = {path: spec.init_value(s, 0, path, dtype=torch.bfloat16).requires_grad_()
+              for path, s in spec.flatten(head.params)}
+    x = torch.randn(2, 512, work.model_cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, work.model_cfg.vocab_size, (2, 512))
+    aux = attrs.evolve(families.make_aux(work.model_cfg, torch.arange(512)), labels=labels)
+    ctx = LocalContext()
+    ctx.loss_chunk_tokens = config.train.loss_chunk_tokens
+    forward = head.forward
+    if config.train.compile:
+        torch._dynamo.reset()
+        forward = torch.compile(forward, backend="aot_eager_decomp_partition")
+        forward(spec.unflatten(params), x, aux, ctx)
+    measured_bytes = _saved_bytes(forward, params, x, aux, ctx)
+    assert activations.head_bytes(work)[0] == pytest.approx(measured_bytes, rel=0.01)
+    # Below what the unfused head keeps.
+    unfused = workload(attrs.evolve(config, train=attrs.evolve(config.train, loss_chunk_tokens=0)), 1, device_type="cpu")
+    assert measured_bytes < activations.head_bytes(unfused)[0]
+
+
 def test_peak_memory_within_ten_percent_of_every_included_gpu_row():
     rows = measured.newest_rows(RESULTS)
     included = [row for row in rows if row.excluded is None]
@@ -120,11 +147,27 @@ def test_each_lever_moves_the_peak_the_way_it_should():
     assert total("--mesh", "dp=4,tp=2", "--sequence-parallel") < total("--mesh", "dp=4,tp=2")
     assert total("--mesh", "dp=8", "--cpu-offload") < base
     assert total("--mesh", "dp=8", "--fsdp-reshard-after-forward", "never") > base
+    assert total("--mesh", "dp=4,tp=2", "--loss-chunk-tokens", "2048") < total("--mesh", "dp=4,tp=2")
     partial = total("--mesh", "pp=2,dp=4", "--global-batch", "8", "--recompute-layers", "8")
     assert total("--mesh", "pp=2,dp=4", "--global-batch", "8", "--recompute", "full") < partial
     assert partial < total("--mesh", "pp=2,dp=4", "--global-batch", "8")
     gpipe = total("--mesh", "pp=2,dp=4", "--global-batch", "32", "--pp-schedule", "gpipe")
     assert gpipe > total("--mesh", "pp=2,dp=4", "--global-batch", "32")
+
+
+def test_chunked_loss_lowers_the_peak_where_the_logits_outweigh_the_weight_gradient():
+    """The chunked head keeps the output weight's gradient in fp32 (4 x vocab x dim bytes) where
+    the unfused one keeps the micro-batch's logits (2 x tokens x vocab): llama-1b's 16,384 tokens
+    of width 2,048 gain; llama-8b's 8,192 tokens of width 4,096 do not."""
+    def total(shape, *args):
+        config = load_config([*shape, "--compile", "--mesh", "dp=2", *args])
+        return memory.predict_peak(config, 2)[0].total
+
+    llama_1b = ["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "4"]
+    assert total(llama_1b, "--loss-chunk-tokens", "2048") < total(llama_1b) - 1.5 * GB
+    assert total(llama_1b, "--loss-chunk-tokens", "1024") < total(llama_1b, "--loss-chunk-tokens", "2048")
+    llama_8b = ["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1"]
+    assert total(llama_8b, "--loss-chunk-tokens", "2048") > total(llama_8b)
 
 
 def test_offloaded_state_is_counted_in_host_memory():

@@ -7,6 +7,7 @@ import json
 import logging
 import time
 
+import attrs
 import pytest
 import torch
 
@@ -45,6 +46,20 @@ def test_a_thousand_gpu_search_takes_seconds():
     assert elapsed < 60, elapsed
 
 
+def test_the_chunked_loss_is_planned_with_the_run():
+    """--loss-chunk-tokens reaches the planner (and --mesh auto): its candidates run with it, and
+    predict the chunked head's memory, below the unfused one's on llama-1b."""
+    best = search(Target(model="llama-1b", gpus=1, seq_len=4096, global_batch=8, gpu_memory_gb=140,
+                         loss_chunk_tokens=2048))[0]
+    config = load_config(best.command.split(" -m dtrain.run ", 1)[1].split())
+    assert config.train.loss_chunk_tokens == 2048
+    unfused = attrs.evolve(config, train=attrs.evolve(config.train, loss_chunk_tokens=0))
+    assert best.memory.total == pytest.approx(memory.predict_peak(config, 1)[0].total)
+    assert best.memory.total < memory.predict_peak(unfused, 1)[0].total - GB
+    auto = load_config(["--model", "llama-1b", "--mesh", "auto", "--loss-chunk-tokens", "2048", "--compile"])
+    assert advice.target_of(auto, 1).loss_chunk_tokens == 2048
+
+
 def test_json_lists_candidates_best_first_with_the_named_keys(capsys):
     assert plan_cli.main(["--model", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--json", "--top", "4"]) == 0
     candidates = json.loads(capsys.readouterr().out)
@@ -73,6 +88,8 @@ def test_a_model_that_fits_nowhere_gets_one_line_naming_what_would(capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--gpus-per-node", "0", "--global-batch", "8"], "must be positive"),
     (["--model", "llama-9000", "--gpus", "8", "--global-batch", "8"], "unknown model 'llama-9000'"),
     (["--validate", "/nonexistent.jsonl"], "no such file"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--loss-chunk-tokens", "-1"],
+     "--loss-chunk-tokens -1 must be >= 0"),
 ])
 def test_bad_planner_input_is_one_clear_line(argv, message, capsys):
     assert plan_cli.main(argv) == 2

@@ -126,6 +126,20 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                                                            "--mesh", "dp=2,ep=2", "--global-batch", "16",
                                                            "--micro-batch", "2", *_overrides(["num_layers=14"]),
                                                            *DOCUMENTS, "2048"]),
+    # The output projection and loss a chunk of tokens at a time (issue 22), beside the unfused rows
+    # above, and with the larger micro-batch that the memory it saves may allow.
+    **{f"llama-1b single loss-chunks {chunk}{name}": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile",
+                                                           "--loss-chunk-tokens", str(chunk), *flags])
+       for chunk in (2048, 4096) for name, flags in (("", []), (" fp8", ["--fp8", "tensorwise"]))},
+    **{f"llama-1b single micro-batch 8{name}": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile",
+                                                     "--micro-batch", "8", *flags])
+       for name, flags in (("", []), (" loss-chunks 2048", ["--loss-chunk-tokens", "2048"]))},
+    **{f"llama-8b dp=2 loss-chunks 2048{name}": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2",
+                                                      "--loss-chunk-tokens", "2048", *flags])
+       for name, flags in (("", []), (" fp8", ["--fp8", "tensorwise"]))},
+    **{f"llama-8b dp=2 micro-batch 2{name}": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "dp=2",
+                                                   "--micro-batch", "2", "--global-batch", "4", *flags])
+       for name, flags in (("", []), (" loss-chunks 2048", ["--loss-chunk-tokens", "2048"]))},
     # Attention sub-blocks alone: llama-1b's GQA beside DeepSeek's MLA (to attention.jsonl beside --out).
     "attention gqa and mla": (1, ["--attention", "all", "--compile", "--steps", "20"]),
 }
@@ -136,6 +150,8 @@ GROUPS: dict[str, list[str]] = {
                    for mesh in ("dp=2", "tp=2", "tp=2 sp", "tp=2 sp unfused")],
     # Where the steps of issue 22's targets go (with --profile): bf16 and the fastest FP8 setup of each.
     "breakdown": ["llama-1b single", "llama-1b single fp8 head", "llama-8b dp=2", "llama-8b dp=2 fp8 head no-reshard"],
+    "loss-chunks": ["llama-1b single", "llama-1b single fp8 head", "llama-8b dp=2", "llama-8b dp=2 fp8 head",
+                    *(name for name in SUITE if "loss-chunks" in name or "micro-batch" in name)],
 }
 
 

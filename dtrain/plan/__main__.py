@@ -20,6 +20,7 @@ from pathlib import Path
 from dtrain.plan.hardware import GIGA, H200
 from dtrain.plan.search import Candidate, Target, nothing_fits, search
 from models.errors import UserError
+from models.linear_cross_entropy import check_chunk_tokens
 
 END_MARKER = "<!-- end of python -m dtrain.plan -->"
 
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--global-batch", type=int, help="samples per optimizer step")
     parser.add_argument("--fp8", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"), default=None)
+    parser.add_argument("--loss-chunk-tokens", type=int, default=0,
+                        help="the output projection and loss this many tokens at a time (dtrain.run's flag; 0: all)")
     parser.add_argument("--inter-node-gb-s", type=float, default=H200.inter_node_gb_s,
                         help="network bandwidth per GPU between nodes, GB/s")
     parser.add_argument("--host-memory-gb", type=float, default=H200.host_memory_gb,
@@ -123,10 +126,11 @@ def run(args: argparse.Namespace) -> str:
             args.gpu_memory_gb, args.inter_node_gb_s, args.host_memory_gb) <= 0:
         raise UserError("--gpus, --gpus-per-node, --seq-len, --global-batch, --gpu-memory-gb, --inter-node-gb-s "
                         "and --host-memory-gb must be positive")
+    check_chunk_tokens(args.loss_chunk_tokens)
     target = Target(model=args.model, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
                     gpu_memory_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node,
-                    model_overrides=args.model_overrides, fp8=args.fp8, inter_node_gb_s=args.inter_node_gb_s,
-                    host_memory_gb=args.host_memory_gb)
+                    model_overrides=args.model_overrides, fp8=args.fp8, loss_chunk_tokens=args.loss_chunk_tokens,
+                    inter_node_gb_s=args.inter_node_gb_s, host_memory_gb=args.host_memory_gb)
     started = time.perf_counter()
     candidates = search(target)
     seconds = time.perf_counter() - started

@@ -161,15 +161,17 @@ def recompute_peak_bytes(work: Workload, block: int, kernel: KernelFacts = CUDA)
 
 
 def head_bytes(work: Workload) -> tuple[float, float]:
-    """The head's saved bytes for one micro-batch, and what its backward adds on top.
+    """The head's saved bytes for one micro-batch, and what its forward or backward adds on top.
 
     Compiled, the loss fuses into the head's graph (under tp too: the vocab-parallel loss is two
     all-reduces of one number per token, parallel/tensor_parallel.py): it keeps its input, the
     normed input and the logits (its vocab shard) in the compute dtype, and writes their gradient in
     place (under tp, in fp32 first). Eager cross-entropy never fuses: it keeps fp32 log-probabilities and makes an fp32
     gradient and its cast. An FP8 head also makes two float8 casts of the logits' gradient for its
-    two GEMMs."""
+    two GEMMs. The chunked loss (--loss-chunk-tokens) is `chunked_head_bytes`."""
     cfg, t, tp = work.model_cfg, work.config.train, work.mesh_spec.tp
+    if t.loss_chunk_tokens:
+        return chunked_head_bytes(work)
     b = DTYPE_BYTES[t.precision]
     d, residual, *_ = _widths(work)
     vocab = math.ceil(cfg.vocab_size / tp)
@@ -180,6 +182,26 @@ def head_bytes(work: Workload) -> tuple[float, float]:
         return tokens * (b * (residual + d + vocab) + 4), (4 * tokens * vocab if tp > 1 else 0.0) + fp8_gradient
     saved = tokens * (b * residual + b * d + 4 * vocab + 4)
     return saved, tokens * (4 + b) * vocab + fp8_gradient
+
+
+def chunked_head_bytes(work: Workload) -> tuple[float, float]:
+    """The head under --loss-chunk-tokens (models/linear_cross_entropy.py): its forward makes the
+    gradients and keeps them, the input's in the compute dtype and the weight's (its vocab shard)
+    in fp32, beside what the norm keeps (its input, in fp32 in eager beside its output, and its
+    statistics). On top, the larger of the forward's chunk (its logits and their gradient, and in
+    eager the fp32 copy of narrower logits that becomes the gradient before its cast; and one
+    chunk's share of the weight gradient before it joins the fp32 sum) and the backward's scaled
+    gradients."""
+    cfg, t = work.model_cfg, work.config.train
+    b = DTYPE_BYTES[t.precision]
+    d, residual, *_ = _widths(work)
+    vocab = math.ceil(cfg.vocab_size / work.mesh_spec.tp)
+    tokens, chunk = work.tokens, min(t.loss_chunk_tokens, work.tokens)
+    norm = b * residual if t.compile else 4 * residual + b * residual
+    saved = tokens * (norm + b * d + 4) + 4 * vocab * d
+    forward = chunk * vocab * (2 * b if t.compile or b == 4 else 2 * b + 4) + b * vocab * d
+    backward = b * (vocab * d + tokens * d)
+    return saved, max(forward, backward)
 
 
 def stage_output_bytes(work: Workload) -> float:

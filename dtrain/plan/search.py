@@ -45,6 +45,7 @@ class Target:
     gpus_per_node: int = 8
     model_overrides: str = ""
     fp8: str | None = None
+    loss_chunk_tokens: int = 0
     compile: bool = True
     precision: str = "bf16"
     inter_node_gb_s: float = H200.inter_node_gb_s
@@ -123,6 +124,8 @@ def run_flags(config: Config) -> list[str]:
         flags.append("--cpu-offload")
     if t.fp8:
         flags += ["--fp8", t.fp8]
+    if t.loss_chunk_tokens:
+        flags += ["--loss-chunk-tokens", str(t.loss_chunk_tokens)]
     return flags
 
 
@@ -215,7 +218,8 @@ def _mesh(target: Target, tp, cp, pp, dp_replicate, dp_shard, ep, schedule, virt
         model=ModelArgs(target.model, target.model_overrides),
         parallel=ParallelArgs(mesh=mesh, sequence_parallel=tp > 1, pp_schedule=schedule, pp_virtual_stages=virtual),
         data=DataArgs(data="synthetic", seq_len=target.seq_len, micro_batch=1, global_batch=target.global_batch),
-        train=TrainArgs(compile=target.compile, fp8=target.fp8, precision=target.precision),
+        train=TrainArgs(compile=target.compile, fp8=target.fp8, precision=target.precision,
+                        loss_chunk_tokens=target.loss_chunk_tokens),
     )
     try:
         works = [workload(config, target.gpus, rank) for rank in {0, target.gpus - 1}]

@@ -303,24 +303,38 @@ HOST_SYNC_S = 100e-6
 
 def _head_seconds(work: Workload, hw: Hardware) -> float:
     """Output projection and cross-entropy: the logits are read and written a few times (fused
-    with the loss on one tp rank; fp32 log-probabilities under tp or without compile)."""
-    mesh, t = work.mesh_spec, work.config.train
+    with the loss on one tp rank, or a chunk of tokens at a time; fp32 log-probabilities under tp
+    or without compile). Chunked, each chunk's share of the weight gradient is also added to an
+    fp32 sum."""
+    cfg, mesh, t = work.model_cfg, work.mesh_spec, work.config.train
+    vocab = math.ceil(cfg.vocab_size / mesh.tp)
     gemm, casts = _head_gemm_seconds(work, hw)
-    fused = t.compile and mesh.tp == 1
-    logits_bytes = work.tokens * math.ceil(work.model_cfg.vocab_size / mesh.tp) * (
-        4 * DTYPE_BYTES[t.precision] if fused else 24)
-    return gemm + casts + logits_bytes / (hw.hbm_tb_s * TERA)
+    b = DTYPE_BYTES[t.precision]
+    fused = t.compile and (mesh.tp == 1 or t.loss_chunk_tokens > 0)
+    moved = work.tokens * vocab * (4 * b if fused else 24)
+    chunk = _loss_chunk(work)
+    if chunk:
+        # Each later chunk's weight-gradient GEMM output, read with the fp32 sum, which is written.
+        moved += (math.ceil(work.tokens / chunk) - 1) * vocab * cfg.dim * (b + 8)
+    return gemm + casts + moved / (hw.hbm_tb_s * TERA)
 
 
 def _head_gemm_seconds(work: Workload, hw: Hardware) -> tuple[float, float]:
-    """The output projection's matmuls on this rank's vocab shard, and its FP8 casts (--fp8-head)."""
+    """The output projection's matmuls on this rank's vocab shard (as small as a loss chunk), and
+    its FP8 casts (--fp8-head)."""
     cfg, t = work.model_cfg, work.config.train
     vocab = math.ceil(cfg.vocab_size / work.mesh_spec.tp)
-    smaller = min(vocab, cfg.dim)
+    smaller = min(vocab, cfg.dim, _loss_chunk(work) or vocab)
     fp8 = t.fp8 is not None and t.fp8_head
     rate = (hw.fp8_gemm_tflops if fp8 else hw.gemm_tflops) * smaller / (smaller + hw.gemm_half_dim)
     casts = hw.fp8_cast_bytes * (vocab + cfg.dim) * work.tokens / (hw.hbm_tb_s * TERA) if fp8 else 0.0
     return 6 * work.tokens * vocab * cfg.dim / (rate * TERA), casts
+
+
+def _loss_chunk(work: Workload) -> int | None:
+    """Tokens per chunk of the head under --loss-chunk-tokens (None: unfused)."""
+    chunk = work.config.train.loss_chunk_tokens
+    return min(chunk, work.tokens) if chunk else None
 
 
 def _allreduce(size: float, ranks: int, link_gb_s: float, hw: Hardware) -> float:

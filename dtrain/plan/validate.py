@@ -14,6 +14,7 @@ from dtrain.config import Config
 from dtrain.data import validate_data_args
 from models.config import DeepSeekConfig, LlamaConfig, MoEConfig, get_model_config
 from models.errors import UserError
+from models.linear_cross_entropy import check_chunk_tokens
 from parallel import pipeline, precision, recompute
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
@@ -125,6 +126,10 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
                         f"--tp-overlap none")
     if t.fp8_head and t.fp8 is None:
         raise UserError("--fp8-head runs the output projection in FP8; give --fp8 RECIPE with it")
+    check_chunk_tokens(t.loss_chunk_tokens)
+    if t.loss_chunk_tokens and t.fp8_head:
+        raise UserError("--loss-chunk-tokens runs the output projection in bf16, a chunk at a time; --fp8-head runs "
+                        "it in FP8 on all tokens at once: drop one of them")
     if t.fp8 is not None:
         if t.precision != "bf16":
             raise UserError(f"--fp8 runs the other ops in bf16; use --precision bf16, not {t.precision}")

@@ -1,0 +1,47 @@
+"""Run under torchrun by tests/test_linear_cross_entropy.py: `python -m tests.workers.chunked_loss
+DTRAIN_ARGS...` trains with the given flags (a tp mesh and --loss-chunk-tokens N) and fails unless
+every loss of the head went through the chunked vocabulary-parallel path, on all the rank's tokens
+and its vocabulary slice (never the logits of all tokens), or if torch.compile compiled any
+function more than twice (as tests/workers/strict_recompiles.py)."""
+
+import math
+import os
+import sys
+
+import torch
+
+from dtrain.config import load_config
+from dtrain.run import main
+from models.config import get_model_config
+from parallel import tensor_parallel
+from parallel.context import ParallelContext
+from parallel.mesh import MeshSpec
+
+torch._dynamo.config.recompile_limit = 2
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+config = load_config(sys.argv[1:])
+vocab = get_model_config(config.model.model, config.model.model_overrides).vocab_size
+tp = MeshSpec.parse(config.parallel.mesh, int(os.environ["WORLD_SIZE"])).tp
+tokens = config.data.micro_batch * config.data.seq_len
+seen: list[tuple[int, int, int]] = []  # (rows of h, rows of the weight, chunk tokens)
+chunked = tensor_parallel.chunked_loss_and_gradients
+
+
+def recording(h, weight, labels, chunk_tokens, **kwargs):
+    seen.append((h.reshape(-1, h.shape[-1]).shape[0], weight.shape[0], chunk_tokens))
+    return chunked(h, weight, labels, chunk_tokens, **kwargs)
+
+
+def unfused(self, logits, labels):
+    raise AssertionError(f"the unfused loss ran on logits of shape {tuple(logits.shape)}")
+
+
+tensor_parallel.chunked_loss_and_gradients = recording
+ParallelContext.cross_entropy_sum = unfused
+
+if main(sys.argv[1:]) != 0:
+    sys.exit("training failed")
+slice_rows = {math.ceil(vocab / tp), vocab // tp}
+assert seen and all(h_rows == tokens and rows in slice_rows and chunk == config.train.loss_chunk_tokens
+                    for h_rows, rows, chunk in seen), seen
