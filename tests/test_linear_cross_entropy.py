@@ -231,6 +231,7 @@ _REFERENCE: dict[str, dict[str, list[float]]] = {}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the compiled case: compilation on two processes
 @pytest.mark.parametrize("flags", [EVALUATIONS, ["--compile"]], ids=["eager", "compiled"])
 def test_tensor_parallel_training_equals_the_unfused(tmp_path, indexed_corpus, flags):
     """tp=2 with sequence parallelism (the head's input arrives split over the sequence): the

@@ -45,6 +45,7 @@ def test_moe_matches_one_process(tmp_path, common, mesh, nproc):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # three compiled runs, two of two processes
 def test_compiled_expert_parallel_matches_one_process(tmp_path):
     """dp=2,ep=2 with --compile, by each --ep-dispatch, against one compiled process: the same
     losses, and no function compiled more than twice (the all-to-all's per-step split sizes and

@@ -66,6 +66,7 @@ def test_overlapped_sequence_parallel_matches_unfused(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # compilation on two processes
 def test_compiled_overlapped_sequence_parallel_matches_one_process(tmp_path, single_run):
     """--compile: the fused matmuls and the vocab-parallel loss inside the compiled blocks and head,
     compiled at most twice per function (tests/workers/strict_recompiles.py)."""
