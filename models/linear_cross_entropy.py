@@ -22,7 +22,7 @@ to keep each chunk's share of the weight gradient for the backward instead of th
 did, for three chunks: half again the memory of the sum).
 
 The same chunk loop serves a vocabulary split over tensor-parallel ranks
-(`parallel.tensor_parallel.VocabParallelLinearCrossEntropySum`): `combine` then merges each
+(`parallel.tensor_parallel.vocab_parallel_linear_cross_entropy_sum`): `combine` then merges each
 rank's per-token statistics of its vocabulary slice.
 """
 
@@ -135,15 +135,16 @@ class LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                compile: bool):
-        loss, grad_h, grad_weight = chunked_loss_and_gradients(h, weight, labels, chunk_tokens, compile=compile)
+                compile: bool, vocab_start: int, combine: Combine | None, group: Any):
+        loss, grad_h, grad_weight = chunked_loss_and_gradients(h, weight, labels, chunk_tokens, vocab_start=vocab_start,
+                                                               combine=combine, group=group, compile=compile)
         ctx.save_for_backward(grad_h, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        return *scaled_gradients(ctx, grad_loss), None, None, None
+        return *scaled_gradients(ctx, grad_loss), None, None, None, None, None, None
 
 
 def scaled_gradients(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,11 +161,14 @@ def scaled_gradients(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 @torch.compiler.disable
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                             compile: bool = False) -> torch.Tensor:
+                             compile: bool = False, *, vocab_start: int = 0, combine: Combine | None = None,
+                             group: Any = None) -> torch.Tensor:
     """Summed cross-entropy (fp32) of the logits h @ weight.T against `labels` (-100 ignored),
     `chunk_tokens` tokens at a time (the module docstring), outside compiled graphs; `compile`
-    compiles each chunk's element-wise part."""
+    compiles each chunk's element-wise part. With a vocabulary split over ranks, `weight` holds
+    rows vocab_start, vocab_start + 1, ... and `combine` merges the ranks' statistics over `group`."""
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return LinearCrossEntropySum.apply(h, weight, labels, chunk_tokens, compile)
+        return LinearCrossEntropySum.apply(h, weight, labels, chunk_tokens, compile, vocab_start, combine, group)
     # No backward will come (evaluation): no gradients to make.
-    return chunked_loss_and_gradients(h, weight, labels, chunk_tokens, gradients=False, compile=compile)[0]
+    return chunked_loss_and_gradients(h, weight, labels, chunk_tokens, vocab_start=vocab_start, combine=combine,
+                                      group=group, gradients=False, compile=compile)[0]

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from models.errors import UserError
-from models.linear_cross_entropy import chunked_loss_and_gradients, scaled_gradients
+from models.linear_cross_entropy import linear_cross_entropy_sum
 
 OVERLAP_CHOICES = ("auto", "symm_mem", "chunked", "none")
 OVERLAP_METHODS = ("symm_mem", "chunked")
@@ -302,36 +302,13 @@ def _combine_over_vocab_shards(log_sum_exp: torch.Tensor, label_logit: torch.Ten
     return torch.logsumexp(gathered[:, 0], dim=0), gathered[:, 1].sum(0)
 
 
-class VocabParallelLinearCrossEntropySum(torch.autograd.Function):
-    """The chunked output projection and loss (models/linear_cross_entropy.py) on this rank's
-    vocabulary slice of the weight, with the whole input: per chunk, one all-gather of two
-    numbers per token merges the ranks' statistics, and each rank's gradients are its slice's
-    terms (that of the input a partial sum over tp, which the caller's layout reduces)."""
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                vocab_start: int, group: TpGroup, compile: bool):
-        loss, grad_h, grad_weight = chunked_loss_and_gradients(
-            h, weight_shard, labels, chunk_tokens, vocab_start=vocab_start, combine=_combine_over_vocab_shards,
-            group=group, compile=compile)
-        ctx.save_for_backward(grad_h, grad_weight)
-        ctx.weight_dtype = weight_shard.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        return *scaled_gradients(ctx, grad_loss), None, None, None, None, None
-
-
-@torch.compiler.disable
 def vocab_parallel_linear_cross_entropy_sum(h: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor,
                                             chunk_tokens: int, vocab_start: int, group: TpGroup,
                                             compile: bool = False) -> torch.Tensor:
-    """The summed loss of the logits h @ weight.T whose vocabulary is split over tp (this rank
-    holds rows vocab_start, vocab_start + 1, ... of the weight), outside compiled graphs."""
-    if torch.is_grad_enabled() and (h.requires_grad or weight_shard.requires_grad):
-        return VocabParallelLinearCrossEntropySum.apply(h, weight_shard, labels, chunk_tokens, vocab_start, group,
-                                                        compile)
-    return chunked_loss_and_gradients(h, weight_shard, labels, chunk_tokens, vocab_start=vocab_start,
-                                      combine=_combine_over_vocab_shards, group=group, gradients=False,
-                                      compile=compile)[0]
+    """The chunked output projection and loss (models/linear_cross_entropy.py) on this rank's
+    vocabulary slice of the weight (rows vocab_start, vocab_start + 1, ...), with the whole input:
+    per chunk, one all-gather of two numbers per token merges the ranks' statistics, and each
+    rank's gradients are its slice's terms (that of the input a partial sum over tp, which the
+    caller's layout reduces)."""
+    return linear_cross_entropy_sum(h, weight_shard, labels, chunk_tokens, compile, vocab_start=vocab_start,
+                                    combine=_combine_over_vocab_shards, group=group)

@@ -46,11 +46,12 @@ MATMULS_RUN = {"none": 1.0, "selective": 1.0, "full": 4 / 3}
 ELEMENTWISE_RUN = {"none": 1.0, "selective": 4 / 3, "full": 1.5}
 
 
+@attrs.frozen
 class _Throughput:
-    """Tokens/s per GPU and MFU of a step of `seconds` over `tokens` on `world_size` ranks."""
+    """Tokens/s per GPU and MFU of a step of `seconds` (the subclass's) over `tokens` on
+    `world_size` ranks."""
 
-    seconds: float
-    tokens: int
+    tokens: int             # per step, all ranks
     world_size: int
     flops_per_token: float
 
@@ -73,9 +74,6 @@ class StepTime(_Throughput):
     bubble: float           # pipeline fill and drain
     optimizer: float        # the AdamW step (on the CPU under --cpu-offload, with its copies)
     overhead: float
-    tokens: int             # per step, all ranks
-    world_size: int
-    flops_per_token: float
 
     @property
     def seconds(self) -> float:
@@ -96,9 +94,6 @@ class Ceiling(_Throughput):
     gemm: float             # seconds per step: the blocks' and the head's matmuls
     attention: float
     bubble: float
-    tokens: int             # per step, all ranks
-    world_size: int
-    flops_per_token: float
 
     @property
     def seconds(self) -> float:

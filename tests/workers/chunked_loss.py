@@ -13,7 +13,7 @@ import torch
 from dtrain.config import load_config
 from dtrain.run import main
 from models.config import get_model_config
-from parallel import tensor_parallel
+from models import linear_cross_entropy
 from parallel.context import ParallelContext
 from parallel.mesh import MeshSpec
 
@@ -25,7 +25,7 @@ vocab = get_model_config(config.model.model, config.model.model_overrides).vocab
 tp = MeshSpec.parse(config.parallel.mesh, int(os.environ["WORLD_SIZE"])).tp
 tokens = config.data.micro_batch * config.data.seq_len
 seen: list[tuple[int, int, int]] = []  # (rows of h, rows of the weight, chunk tokens)
-chunked = tensor_parallel.chunked_loss_and_gradients
+chunked = linear_cross_entropy.chunked_loss_and_gradients
 
 
 def recording(h, weight, labels, chunk_tokens, **kwargs):
@@ -37,7 +37,7 @@ def unfused(self, logits, labels):
     raise AssertionError(f"the unfused loss ran on logits of shape {tuple(logits.shape)}")
 
 
-tensor_parallel.chunked_loss_and_gradients = recording
+linear_cross_entropy.chunked_loss_and_gradients = recording
 ParallelContext.cross_entropy_sum = unfused
 
 if main(sys.argv[1:]) != 0:
