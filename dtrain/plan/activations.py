@@ -166,8 +166,8 @@ def head_bytes(work: Workload) -> tuple[float, float]:
     Compiled, the loss fuses into the head's graph (under tp too: the vocab-parallel loss is two
     all-reduces of one number per token, parallel/tensor_parallel.py): it keeps its input, the
     normed input and the logits (its vocab shard) in the compute dtype, and writes their gradient in
-    place (under tp, in fp32 first). Eager cross-entropy never fuses: it keeps fp32 log-probabilities and makes an fp32
-    gradient and its cast. An FP8 head also makes two float8 casts of the logits' gradient for its
+    place (under tp, in fp32 first). Eager cross-entropy never fuses: it keeps fp32
+    log-probabilities and makes an fp32 gradient and its cast. An FP8 head also makes two float8 casts of the logits' gradient for its
     two GEMMs. The chunked loss (--loss-chunk-tokens) is `chunked_head_bytes`."""
     cfg, t, tp = work.model_cfg, work.config.train, work.mesh_spec.tp
     if t.loss_chunk_tokens:
