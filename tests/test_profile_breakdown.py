@@ -124,10 +124,11 @@ class Event:
     """The part of torch's _KinetoEvent that the breakdown reads (times in microseconds here)."""
 
     def __init__(self, name, start, end, *, thread=1, id=0, linked=0, sequence=-1, forward_thread=0,
-                 device=DeviceType.CPU):
+                 device=DeviceType.CPU, annotation=False):
         self._values = dict(name=name, start_ns=start * 1000, end_ns=end * 1000, start_thread_id=thread,
                             end_thread_id=thread, correlation_id=id, linked_correlation_id=linked, sequence_nr=sequence,
-                            fwd_thread_id=forward_thread, device_type=device, is_async=False)
+                            fwd_thread_id=forward_thread, device_type=device, is_async=False,
+                            is_user_annotation=annotation)
 
     def __getattr__(self, key):
         return lambda: self._values[key]
@@ -159,8 +160,10 @@ def test_kernels_take_the_range_of_their_op_and_backward_kernels_that_of_the_for
               forward_thread=forward),
         Event("aten::mul", 161, 169, thread=backward, id=11),
         Event("c10d::allreduce_", 225, 230, id=12),
+        # Compiled code records each triton launch as a CPU range named after its kernel.
+        Event("triton_poi_fused_add_0", 10, 11, id=16, annotation=True),
         # The GPU's copy of a range, and a synchronisation: neither is a kernel.
-        Event(LOSS_RANGE, 40, 60, device=DeviceType.CUDA, thread=7),
+        Event(LOSS_RANGE, 40, 60, device=DeviceType.CUDA, thread=7, annotation=True),
         Event("Stream Wait Event", 0, 300, device=DeviceType.CUDA, thread=7),
     ]
     kernels = [

@@ -157,13 +157,13 @@ def profile_activities(events) -> list[Activity]:
     if not device_events:
         return [Activity(op.name, op.start, op.end, op.named or classify(op.name, _range_of(op, forward)))
                 for op in ops if op.does_work()]
-    op_names = {op.name for op in ops}
     by_id = {op.id: op for op in ops}
     activities = []
     for event in device_events:
         name = event.name()
-        # The GPU's copies of record_function ranges carry the range's name.
-        if name in op_names or name in _NOT_KERNELS:
+        # The GPU's copies of record_function ranges are user annotations, not kernels. A name shared
+        # with a CPU op says nothing: inductor records each triton launch under its kernel's name.
+        if event.is_user_annotation() or name in _NOT_KERNELS:
             continue
         launched_by = by_id.get(event.linked_correlation_id())
         activities.append(Activity(name, *_times_us(event), classify(name, _range_of(launched_by, forward))))
