@@ -16,9 +16,10 @@ Two ways to run them (`OVERLAP_METHODS`):
 - `symm_mem` (CUDA): torch's symmetric-memory ops `fused_all_gather_matmul` and
   `fused_matmul_reduce_scatter`, which copy shards between GPUs over NVLink while the matmul of
   the shard already there runs, on two streams.
-- `chunked` (any device, the CPU test path): the sequence is cut into tp chunks; each chunk's
-  all-gather (reduce-scatter) is in flight while the previous chunk's matmul runs, and the rows
-  this rank holds are multiplied before any data has arrived.
+- `chunked` (any device, the CPU test path): the sequence is cut into tp chunks; on GPUs each
+  chunk's all-gather (reduce-scatter) is in flight while the next chunk's matmul runs, one
+  collective at a time, and the rows this rank holds are multiplied before any data has arrived.
+  On gloo each collective is waited on at once (`_overlaps`): the order of the work is the same.
 
 The gathered matmul saves its gathered input for the weight gradient rather than gathering it
 again in backward: that is the memory the unfused path (and TP without SP) keeps as well, and a
@@ -146,16 +147,26 @@ def _seq_major(t: torch.Tensor) -> torch.Tensor:
     return _batch_major(t.movedim(SEQ_DIM, 0).contiguous())
 
 
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether a chunk's collective stays in flight while the next chunk's matmuls run. On NCCL it
+    runs beside them on its own stream. On gloo it runs on the process group's worker threads,
+    which share the CPU with the matmuls, so there is nothing to win, and runs that left several
+    functional collectives in flight at once died now and then on SIGSEGV (issue 25): there each
+    collective is waited on as soon as it is issued."""
+    return t.is_cuda
+
+
 def _chunked_all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], group: TpGroup):
     rows = a_shard.movedim(SEQ_DIM, 0).contiguous()  # [s, batch, k]: this rank's tokens
     n, rank, s = group.size, group.rank, rows.shape[0]
     a_full = rows.new_empty(n, *rows.shape)  # [rank, s, batch, k]
     outs = [rows.new_empty(n, *rows.shape[:-1], b.shape[1]) for b in bs]
-    bounds = chunk_bounds(s, n)
+    bounds, overlap = chunk_bounds(s, n), _overlaps(rows)
 
     def gather(chunk: int) -> torch.Tensor:
         start, stop = bounds[chunk]
-        return _c10d.all_gather_into_tensor(rows[start:stop], n, group.name)
+        pending = _c10d.all_gather_into_tensor(rows[start:stop], n, group.name)
+        return pending if overlap else _c10d.wait_tensor(pending)
 
     pending = gather(0)
     for out, b in zip(outs, bs):
@@ -163,7 +174,7 @@ def _chunked_all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], gr
     for chunk, (start, stop) in enumerate(bounds):
         gathered = _c10d.wait_tensor(pending).view(n, stop - start, *rows.shape[1:])
         if chunk + 1 < len(bounds):
-            pending = gather(chunk + 1)  # in flight while this chunk's matmuls run
+            pending = gather(chunk + 1)  # in flight while this chunk's matmuls run (one at a time)
         a_full[:, start:stop] = gathered
         for out, b in zip(outs, bs):
             for first, last in ((0, rank), (rank + 1, n)):
@@ -179,19 +190,30 @@ def _chunked_matmul_reduce_scatter(pairs: list[tuple[torch.Tensor, torch.Tensor]
     s = seq_major[0].shape[0] // n
     by_rank = [a.view(n, s, *a.shape[1:]) if a.is_contiguous() else a.reshape(n, s, *a.shape[1:])
                for a in seq_major]
-    pending, bounds = [], chunk_bounds(s, n)
-    for start, stop in bounds:
+    bounds, overlap = chunk_bounds(s, n), _overlaps(seq_major[0])
+    # Contiguous [batch, s, n], as torch's fused op returns it: the residual stream it joins is
+    # sent between pipeline stages, whose receive buffers must be contiguous.
+    out = pairs[0][0].new_empty(seq_major[0].shape[1], s, pairs[0][1].shape[1])
+
+    def land(chunk: int, pending: torch.Tensor) -> None:
+        start, stop = bounds[chunk]
+        out[:, start:stop] = _batch_major(_c10d.wait_tensor(pending).squeeze(0))
+
+    in_flight = None
+    for chunk, (start, stop) in enumerate(bounds):
         # Each rank's chunk of the partial sums, ranks outermost: the reduce-scatter's layout.
         partial = None
         for a, (_, b) in zip(by_rank, pairs):
             term = a[:, start:stop] @ b
             partial = term if partial is None else partial.add_(term)
-        pending.append(_c10d.reduce_scatter_tensor(partial, "sum", n, group.name))  # overlaps the next chunk
-    # Contiguous [batch, s, n], as torch's fused op returns it: the residual stream it joins is
-    # sent between pipeline stages, whose receive buffers must be contiguous.
-    out = pairs[0][0].new_empty(seq_major[0].shape[1], s, pairs[0][1].shape[1])
-    for (start, stop), piece in zip(bounds, pending):
-        out[:, start:stop] = _batch_major(_c10d.wait_tensor(piece).squeeze(0))
+        if in_flight is not None:
+            land(*in_flight)  # the previous chunk's reduce-scatter ran beside this chunk's matmuls
+        in_flight = (chunk, _c10d.reduce_scatter_tensor(partial, "sum", n, group.name))
+        if not overlap:
+            land(*in_flight)
+            in_flight = None
+    if in_flight is not None:
+        land(*in_flight)
     return out
 
 

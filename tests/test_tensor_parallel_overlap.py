@@ -123,6 +123,33 @@ def test_overlapped_block_issues_one_gather_and_one_scatter_per_matmul_group(tp2
             (phase, counts[phase])
 
 
+class _OpOrder(TorchDispatchMode):
+    """Every op that reaches the dispatcher, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def test_on_gloo_each_chunks_collective_is_waited_on_before_any_other_op(tp2):
+    # Several functional collectives in flight at once on gloo's worker threads crashed runs now and
+    # then (issue 25): a pp=2,tp=2 run with SP died on SIGSEGV in the chunked reduce-scatter's
+    # backward, which had issued every chunk's collective before waiting on the first.
+    block_fn, params, x, aux, ctx = _block("chunked")
+    with _OpOrder() as order:
+        out = block_fn(params, x, aux, ctx).to_local()
+        out.backward(torch.randn_like(out))
+    issued = [i for i, name in enumerate(order.names)
+              if name.partition("::")[0] == "_c10d_functional" and not name.endswith("wait_tensor")]
+    assert len(issued) == 8 * len(tensor_parallel.chunk_bounds(SEQ // 2, 2)), order.names
+    unwaited = [order.names[i:i + 2] for i in issued if order.names[i + 1] != "_c10d_functional::wait_tensor"]
+    assert not unwaited, unwaited
+
+
 def test_unfused_block_issues_dtensor_collectives(tp2, monkeypatch):
     """The same count without overlap: what the test above would see if the fused path were
     silently skipped (one whole gather per matmul group, one reduce-scatter per residual add)."""
