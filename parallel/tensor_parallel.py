@@ -16,10 +16,10 @@ Two ways to run them (`OVERLAP_METHODS`):
 - `symm_mem` (CUDA): torch's symmetric-memory ops `fused_all_gather_matmul` and
   `fused_matmul_reduce_scatter`, which copy shards between GPUs over NVLink while the matmul of
   the shard already there runs, on two streams.
-- `chunked` (any device, the CPU test path): the sequence is cut into tp chunks; on GPUs each
-  chunk's all-gather (reduce-scatter) is in flight while the next chunk's matmul runs, one
+- `chunked` (any device, the CPU test path): the sequence is cut into tp chunks; on GPUs one
+  chunk's all-gather (reduce-scatter) is in flight while another chunk's matmuls run, one
   collective at a time, and the rows this rank holds are multiplied before any data has arrived.
-  On gloo each collective is waited on at once (`_overlaps`): the order of the work is the same.
+  On gloo each collective is waited on at once (`_overlaps`); the order of the work is the same.
 
 The gathered matmul saves its gathered input for the weight gradient rather than gathering it
 again in backward: that is the memory the unfused path (and TP without SP) keeps as well, and a
