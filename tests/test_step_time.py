@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dtrain.config import load_config
+from dtrain.data.dataset import TokenDataset
 from dtrain.plan import measured, steptime
 from tests.launch import REPO
 
@@ -98,3 +100,15 @@ def test_the_ceiling_is_the_gemms_and_attention_alone_at_the_measured_rates():
     assert steptime.ceiling(config("--fp8", "tensorwise"), 1).gemm < base.gemm
     # A pipeline keeps its bubble, even with nothing but matmuls.
     assert steptime.ceiling(config("--mesh", "pp=2", "--global-batch", "8", "--micro-batch", "1"), 2).bubble > 0
+
+
+def test_attention_within_synthetic_documents_counts_the_keys_the_data_loader_gives():
+    """The step-time model's keys per query within packed documents (`--synthetic-document-length`)
+    against the position ids of the loader's own synthetic rows: a query sees its position + 1 keys."""
+    seq_len, mean = 2048, 256
+    dataset = TokenDataset("synthetic", None, seq_len, 1000, seed=0, documents=True, synthetic_document_length=mean)
+    positions = torch.cat([batch.position_ids for step in range(4)
+                           for batch in dataset.micro_batches(step, 64, 64, 0, 1)])
+    measured_keys = (positions + 1).double().mean().item()
+    assert steptime._mean_keys(seq_len, None, mean) == pytest.approx(measured_keys, rel=0.02)
+    assert steptime._mean_keys(seq_len, None, mean) < steptime._mean_keys(seq_len, None) / 3

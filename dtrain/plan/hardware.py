@@ -44,7 +44,13 @@ class Hardware:
     # of its buffers and the layout changes around it (fitted on the tp=2 rows).
     tp_region_s: float = 0.0003
     host_gb_s: float = 25.0              # host <-> GPU copies (CPU offload)
-    cpu_adam_gb_s: float = 10.0          # AdamW on the CPU, bytes of state touched per second
+    # AdamW on the CPU, bytes of state touched per second (fitted: llama-8b dp=2 --cpu-offload on a
+    # host of 32 cores and 2 H200s, 1,066 tokens/s/GPU).
+    cpu_adam_gb_s: float = 23.0
+    # Ring attention within documents or a window attends each block with the masked kernels and
+    # merges the blocks' partial results: this many times the fused kernel's time (fitted on the
+    # llama-1b cp=2 ring row with documents; all-gather and all-to-all CP attend whole rows).
+    masked_ring_slowdown: float = 1.75
     step_overhead_s: float = 0.0005       # launches and host work per step that nothing hides
     # GPipe and looped BFS (every forward before any backward) ran each micro-batch this much
     # slower than 1F1B and interleaved 1F1B on 2 H200s (llama-1b, pp=2: the README's bubble table).

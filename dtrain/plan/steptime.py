@@ -196,6 +196,9 @@ def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple
     cfg, mesh, t = work.model_cfg, work.mesh_spec, work.config.train
     gemm, casts = _gemm_seconds(work, block, hw)
     attention = _attention_seconds(work, hw)
+    masked = work.config.data.document_mask or work.model_cfg.sliding_window
+    if mesh.cp > 1 and work.config.parallel.cp_comm == "ring" and masked:
+        attention *= hw.masked_ring_slowdown
     elementwise = (hw.elementwise_traffic * activations.block_bytes(work, block, "none")
                    / (hw.hbm_tb_s * TERA)) * (1 if t.compile else 2)
     compute = (gemm + casts + attention) * MATMULS_RUN[mode] + elementwise * ELEMENTWISE_RUN[mode]
@@ -240,21 +243,31 @@ def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> tuple[float, floa
 def _attention_seconds(work: Workload, hw: Hardware) -> float:
     """Causal attention: forward 4 FLOPs per query, key and query width over the keys before each
     query (S/2 on average), backward twice that (12 L d S / 2 of BENCHMARKS.md's convention);
-    slower over short keys (context-parallel blocks are S / 2cp long, windows as long as they are)."""
+    slower over short keys (context-parallel blocks are S / 2cp long, windows and documents as
+    long as they are)."""
     d, mesh = work.config.data, work.mesh_spec
+    documents = d.synthetic_document_length if d.document_mask else 0
     q_width = math.ceil(work.model_cfg.num_heads / mesh.tp) * work.model_cfg.head_dim
-    flops = 12 * work.tokens * _mean_keys(d.seq_len, work.model_cfg.sliding_window) * q_width
-    keys = min(d.seq_len / mesh.cp, work.model_cfg.sliding_window or d.seq_len)
+    flops = 12 * work.tokens * _mean_keys(d.seq_len, work.model_cfg.sliding_window, documents) * q_width
+    keys = min(d.seq_len / mesh.cp, work.model_cfg.sliding_window or d.seq_len, documents or d.seq_len)
     rate = hw.attention_tflops * keys / (keys + hw.attention_half_seq)
     return flops / (rate * TERA)
 
 
-def _mean_keys(seq_len: int, window: int | None) -> float:
+def _mean_keys(seq_len: int, window: int | None, document_length: int = 0) -> float:
     """Keys a causal query attends to on average: (S + 1) / 2, or fewer under a sliding window
-    (the kernels skip the blocks outside it)."""
+    (the kernels skip the blocks outside it) or within packed documents of random lengths with
+    mean `document_length` (the synthetic data's: each token starts a new document with
+    probability 1 / mean, so a query sees min(its document's age, its position) + 1 keys)."""
     if window is None or window >= seq_len:
-        return (seq_len + 1) / 2
-    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+        causal = (seq_len + 1) / 2
+    else:
+        causal = (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+    if not document_length:
+        return causal
+    stay = 1 - 1 / document_length  # a token continues its document
+    within = 1 + stay * document_length * (1 - (1 - stay ** seq_len) / (seq_len / document_length))
+    return min(causal, within)
 
 
 def _context_parallel_seconds(work: Workload, attention: float, hw: Hardware) -> float:
