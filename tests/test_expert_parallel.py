@@ -2,7 +2,7 @@
 output, d(x) and each rank's local expert-weight gradients on every rank, fp32 on CPU with gloo,
 relative error <= 1e-5. One spawned group of 4 processes runs every case for ep=4 and for two
 ep=2 groups (tests/workers/ep_dispatch.py). The exchange's collectives finish one at a time
-(issue 25); tests/test_expert_parallel_stress.py repeats the exchange hundreds of times."""
+(issue 25); tests/test_collective_stress.py repeats the exchange hundreds of times."""
 
 from __future__ import annotations
 
