@@ -1,5 +1,5 @@
-"""A checkpoint written by an earlier dtrain still loads and continues bit for bit: the format
-does not depend on where the code that wrote it lived. Format 1 has no checksums: it loads
+"""A checkpoint written by an earlier dtrain still loads and continues to the losses its run
+logged: the format does not depend on where the code that wrote it lived. Format 1 has no checksums: it loads
 unverified (the log says so), and a damaged .metadata in it is still one clear line."""
 
 import json
@@ -28,8 +28,11 @@ def test_a_format_1_checkpoint_resumes_to_the_losses_its_run_logged(tmp_path):
     assert "holds no checksums (written before format 2): its files are not verified" in result.stdout
     logged = scalars(run_dir)
     expected = json.loads((FIXTURE / "after_resume.json").read_text())
+    # Within float rounding, not bit for bit: the fixture was written on another machine, and CPUs
+    # of other vector widths (AVX2, AVX-512) round fp32 sums differently (1e-7 apart). A checkpoint
+    # that lost its optimizer state or a tensor would be off by far more.
     for tag, by_step in expected.items():
-        assert logged[tag] == [by_step["3"], by_step["4"]], tag
+        assert logged[tag] == pytest.approx([by_step["3"], by_step["4"]], rel=1e-5, abs=1e-7), tag
 
 
 @pytest.mark.parametrize("damage", ["random bytes", "truncation"])
