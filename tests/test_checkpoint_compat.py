@@ -1,6 +1,7 @@
 """A checkpoint written by an earlier dtrain still loads and continues to the losses its run
-logged: the format does not depend on where the code that wrote it lived. Format 1 has no checksums: it loads
-unverified (the log says so), and a damaged .metadata in it is still one clear line."""
+logged: the format does not depend on where the code that wrote it lived. Format 1 has no
+checksums: it loads unverified (the log says so), and a damaged .metadata in it is still one clear
+line."""
 
 import json
 import os

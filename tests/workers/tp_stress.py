@@ -41,11 +41,11 @@ def _iteration(group: TpGroup, rank: int) -> float:
         shards = [torch.empty_like(x) for _ in range(WORLD)]
         dist.all_gather(shards, x.detach())
         whole = torch.cat(shards, dim=1)
-        partial = torch.cat([whole @ wq.T, whole @ wkv.T], dim=-1) @ wo.T
-        dist.all_reduce(partial)
-        want = partial[:, rank * SHARD:(rank + 1) * SHARD]
-    return max(_relative_error(h.detach(), torch.cat([whole @ wq.T, whole @ wkv.T], dim=-1)),
-               _relative_error(y.detach(), want))
+        projected = torch.cat([whole @ wq.T, whole @ wkv.T], dim=-1)
+        summed = projected @ wo.T
+        dist.all_reduce(summed)
+    return max(_relative_error(h.detach(), projected),
+               _relative_error(y.detach(), summed[:, rank * SHARD:(rank + 1) * SHARD]))
 
 
 def main(rank: int, out_dir: str, iterations: int) -> None:
