@@ -156,6 +156,12 @@ def _overlaps(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def _issued(pending: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """A collective's result, left in flight where collectives overlap, else waited on at once
+    (waiting again later is a no-op)."""
+    return pending if overlap else _c10d.wait_tensor(pending)
+
+
 def _chunked_all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], group: TpGroup):
     rows = a_shard.movedim(SEQ_DIM, 0).contiguous()  # [s, batch, k]: this rank's tokens
     n, rank, s = group.size, group.rank, rows.shape[0]
@@ -165,8 +171,7 @@ def _chunked_all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], gr
 
     def gather(chunk: int) -> torch.Tensor:
         start, stop = bounds[chunk]
-        pending = _c10d.all_gather_into_tensor(rows[start:stop], n, group.name)
-        return pending if overlap else _c10d.wait_tensor(pending)
+        return _issued(_c10d.all_gather_into_tensor(rows[start:stop], n, group.name), overlap)
 
     pending = gather(0)
     for out, b in zip(outs, bs):
@@ -208,12 +213,8 @@ def _chunked_matmul_reduce_scatter(pairs: list[tuple[torch.Tensor, torch.Tensor]
             partial = term if partial is None else partial.add_(term)
         if in_flight is not None:
             land(*in_flight)  # the previous chunk's reduce-scatter ran beside this chunk's matmuls
-        in_flight = (chunk, _c10d.reduce_scatter_tensor(partial, "sum", n, group.name))
-        if not overlap:
-            land(*in_flight)
-            in_flight = None
-    if in_flight is not None:
-        land(*in_flight)
+        in_flight = (chunk, _issued(_c10d.reduce_scatter_tensor(partial, "sum", n, group.name), overlap))
+    land(*in_flight)
     return out
 
 

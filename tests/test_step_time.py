@@ -8,6 +8,7 @@ import torch
 from dtrain.config import load_config
 from dtrain.data.dataset import TokenDataset
 from dtrain.plan import measured, steptime
+from models import masking
 from tests.launch import REPO
 
 RESULTS = REPO / "benchmarks" / "results.jsonl"
@@ -104,11 +105,12 @@ def test_the_ceiling_is_the_gemms_and_attention_alone_at_the_measured_rates():
 
 def test_attention_within_synthetic_documents_counts_the_keys_the_data_loader_gives():
     """The step-time model's keys per query within packed documents (`--synthetic-document-length`)
-    against the position ids of the loader's own synthetic rows: a query sees its position + 1 keys."""
+    against the keys the masks of the loader's own synthetic rows keep (what the trainer logs as
+    perf/attended_keys_per_token)."""
     seq_len, mean = 2048, 256
     dataset = TokenDataset("synthetic", None, seq_len, 1000, seed=0, documents=True, synthetic_document_length=mean)
-    positions = torch.cat([batch.position_ids for step in range(4)
-                           for batch in dataset.micro_batches(step, 64, 64, 0, 1)])
-    measured_keys = (positions + 1).double().mean().item()
+    document_ids = torch.cat([batch.document_ids for step in range(4)
+                              for batch in dataset.micro_batches(step, 64, 64, 0, 1)])
+    measured_keys = masking.attended_pairs(masking.first_keys(document_ids)) / document_ids.numel()
     assert steptime._mean_keys(seq_len, None, mean) == pytest.approx(measured_keys, rel=0.02)
     assert steptime._mean_keys(seq_len, None, mean) < steptime._mean_keys(seq_len, None) / 3

@@ -258,7 +258,8 @@ def _mean_keys(seq_len: int, window: int | None, document_length: int = 0) -> fl
     """Keys a causal query attends to on average: (S + 1) / 2, or fewer under a sliding window
     (the kernels skip the blocks outside it) or within packed documents of random lengths with
     mean `document_length` (the synthetic data's: each token starts a new document with
-    probability 1 / mean, so a query sees min(its document's age, its position) + 1 keys)."""
+    probability 1 / mean, so a query sees min(its document's age, its position) + 1 keys); with
+    both, the fewer."""
     if window is None or window >= seq_len:
         causal = (seq_len + 1) / 2
     else:
