@@ -91,6 +91,8 @@ class TEKernels:
             gemm: getattr(getattr(self.recipe, f"fp8_gemm_{gemm}", None), "use_split_accumulator", default)
             for gemm, default in (("fprop", False), ("dgrad", True), ("wgrad", True))}
         self.shared = None
+        # TE's per-tensor cast makes the column-wise (transposed) copy only beside the row-wise one.
+        self.rowwise_with_columnwise = recipe in ("delayed", "current")
         if recipe == "delayed":
             # TE's HYBRID format, as parallel.delayed_scaling.FP8_MAX assumes.
             self.delayed_quantizer = te.Float8Quantizer
@@ -137,8 +139,8 @@ class TEKernels:
         q_input, q_weight, q_grad = self.quantizers(scale, amax)
         # Row-wise gradient for dgrad, column-wise for wgrad; column-wise weight and input only.
         q_grad.set_usage(rowwise=True, columnwise=True)
-        q_weight.set_usage(rowwise=False, columnwise=True)
-        q_input.set_usage(rowwise=False, columnwise=True)
+        q_weight.set_usage(rowwise=self.rowwise_with_columnwise, columnwise=True)
+        q_input.set_usage(rowwise=self.rowwise_with_columnwise, columnwise=True)
         grad_rows = q_grad(grad.reshape(-1, grad.shape[-1]))
         grad_x, *_ = self.gemm(q_weight(weight), grad_rows, out_dtype=x.dtype, layout="NN", grad=True,
                                use_split_accumulator=self.split_accumulator["dgrad"])

@@ -82,8 +82,9 @@ class Quantized:
 
 
 class _Quantizer:
-    def __init__(self, dtype: DType):
+    def __init__(self, dtype: DType, per_tensor: bool = True):
         self.dtype = DType(dtype)
+        self.per_tensor = per_tensor
         self.rowwise_usage = self.columnwise_usage = True
         self.internal = self.optimize_for_gemm = False
 
@@ -96,6 +97,9 @@ class _Quantizer:
     def __call__(self, tensor: torch.Tensor) -> Quantized:
         assert self.internal, "dtrain asks for storage objects (internal quantizers)"
         assert tensor.dtype in (torch.bfloat16, torch.float32), tensor.dtype
+        if self.per_tensor and self.columnwise_usage and not self.rowwise_usage:
+            # As TE 2.20 on a Hopper GPU: its per-tensor cast writes the transpose beside the rows.
+            raise NotImplementedError("Columnwise-only per-tensor FP8 quantization is not implemented")
         scale = self._scale(tensor)
         # TE's casts saturate (a value past the format's max becomes the max, not inf or NaN).
         fp8_max = torch.finfo(TORCH_DTYPES[self.dtype]).max
@@ -138,7 +142,7 @@ class RecipeState:
         assert roles is None or len(roles) == num_quantizers
         hybrid = isinstance(recipe, (DelayedScaling, Float8CurrentScaling))
         dtype = DType.kFloat8E5M2 if hybrid and mode == "backward" else DType.kFloat8E4M3
-        return RecipeState([Float8CurrentScalingQuantizer(dtype) for _ in range(num_quantizers)])
+        return RecipeState([Float8CurrentScalingQuantizer(dtype, per_tensor=hybrid) for _ in range(num_quantizers)])
 
     def make_quantizers(self) -> list:
         return self._quantizers
