@@ -88,8 +88,11 @@ def _curve(name: str, steps: int, gpu: int) -> tuple[str, Path, int]:
 
 def run_curves(steps: int) -> bool:
     print(f"== curves: {steps} steps of llama-1b on the bundled corpus", flush=True)
+    import torch
+
+    gpus = max(1, torch.cuda.device_count())  # two runs at a time, sharing a GPU where there is one
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = list(pool.map(lambda item: _curve(item[1], steps, item[0] % 2), enumerate(CURVES)))
+        runs = list(pool.map(lambda item: _curve(item[1], steps, item[0] % gpus), enumerate(CURVES)))
     if any(code != 0 for _, _, code in runs):
         return False
     losses = {name: read_scalars(run_dir)["train/loss"] for name, run_dir, _ in runs}
