@@ -91,6 +91,26 @@ def test_block_activations_are_what_autograd_saves(model, overrides, args, mode,
     assert predicted == pytest.approx(measured_bytes, rel=0.04), (predicted, measured_bytes)
 
 
+def test_te_blocks_save_what_bf16_blocks_save():
+    """Transformer Engine's matmul keeps its bf16 input and weight and quantizes them again in
+    the backward (torchao's keeps float8 casts): the model counts a TE block as a bf16 one."""
+    from tests import fake_te
+
+    config, work, layer, params, x, aux = _block_case("tiny", SMALL, ["--fp8", "current", "--fp8-backend", "te"])
+    bf16 = workload(load_config(["--model", "tiny", "--model-overrides", SMALL, "--seq-len", "128",
+                                 "--micro-batch", "2", "--precision", "bf16"]), 1, device_type="cpu")
+    with fake_te.installed() as calls:
+        from parallel.te_linear import TELinear
+
+        ctx = LocalContext()
+        ctx.linear = TELinear("current", torch.device("cpu")).for_layers({"blocks.1": 7})["blocks.1"]
+        measured_bytes = _saved_bytes(ctx.linear.wrap_forward(layer.forward), params, x, aux, ctx)
+    assert any(call["op"] == "gemm" for call in calls)  # TE's GEMMs ran
+    predicted = activations.block_bytes(work, 0, "none", activations.CPU)
+    assert predicted == activations.block_bytes(bf16, 0, "none", activations.CPU)
+    assert predicted == pytest.approx(measured_bytes, rel=0.04), (predicted, measured_bytes)
+
+
 @pytest.mark.parametrize("args", [[], ["--compile"]], ids=["eager", "compiled"])
 def test_chunked_head_saves_what_the_model_counts(args):
     """--loss-chunk-tokens: the head keeps the gradients its forward made (the weight's in fp32)

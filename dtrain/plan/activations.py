@@ -56,11 +56,18 @@ def _widths(work: Workload) -> tuple[int, int, int, int, int]:
 def block_bytes(work: Workload, block: int, mode: str, kernel: KernelFacts = CUDA) -> float:
     """Saved bytes of one micro-batch of `block` on this rank under recompute `mode`."""
     t, p = work.config.train, work.config.parallel
-    key = ("saved", work.block_kinds[block], block in work.fp8_blocks, mode, kernel, work.tokens, t.precision,
+    key = ("saved", work.block_kinds[block], _saves_float8(work, block), mode, kernel, work.tokens, t.precision,
            t.compile, t.fuse_projections, p.cp_comm)
     if key not in work.memo:
         work.memo[key] = _block_bytes(work, block, mode, kernel)
     return work.memo[key]
+
+
+def _saves_float8(work: Workload, block: int) -> bool:
+    """torchao's FP8 matmuls keep float8 casts for the backward; Transformer Engine's
+    (`dtrain::te_linear`) keep the bf16 input and weight and quantize them again in the backward,
+    so a TE block saves what a bf16 block saves."""
+    return block in work.fp8_blocks and work.config.train.fp8_backend != "te"
 
 
 def _block_bytes(work: Workload, block: int, mode: str, kernel: KernelFacts) -> float:
@@ -69,7 +76,7 @@ def _block_bytes(work: Workload, block: int, mode: str, kernel: KernelFacts) -> 
     if mode == "full":
         return work.tokens * b * residual
     compiled = work.config.train.compile
-    fp8 = block in work.fp8_blocks
+    fp8 = _saves_float8(work, block)
     attention = _attention_per_token(work, mode, compiled, fp8, kernel, b, d, residual, q_width, kv_width, heads)
     total = work.tokens * (b * residual + attention)
     if work.block_kinds[block] == "moe":
