@@ -73,6 +73,11 @@ KERNELS = {
         "float>, unsigned int, float, 4, 4>)",
         "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::"
         "OpaqueType<2u>, unsigned int, 2, 128, 1>(...)",
+        # Transformer Engine's FP8 casts (as torchao's are inductor's element-wise kernels)
+        "cast_transpose_optimized_kernel(__nv_bfloat16 const*, float const*, __nv_fp8_e5m2*, __nv_fp8_e5m2*, "
+        "float const*, float*, float*, unsigned long, unsigned long)",
+        "void transformer_engine::unary_kernel<16, true, float, transformer_engine::Empty, "
+        "&transformer_engine::dispatch::fp8::detail::identity, __nv_bfloat16, __nv_fp8_e4m3>(...)",
     ],
     "communication": [
         "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",

@@ -60,7 +60,8 @@ _BY_NAME = [
     ("loss", re.compile(r"log_?softmax|nll_?loss|cross_?entropy", re.I)),
 ]
 _ELEMENTWISE = re.compile(r"^triton_(poi|red|per)_|elementwise|reduce_kernel|norm|softmax|silu|rotary|copy|"
-                          r"cat_|catarray|fill|amax|multi_tensor_apply|^aten::", re.I)
+                          r"cat_|catarray|fill|amax|multi_tensor_apply|cast_transpose|transformer_engine::|^aten::",
+                          re.I)
 # CPU ops that move no data: views and allocations.
 _NO_WORK = re.compile(r"^aten::(empty|empty_strided|empty_like|view|_unsafe_view|as_strided|t|transpose|"
                       r"reshape|expand|slice|select|squeeze|unsqueeze|permute|alias|detach|resolve_conj|"
