@@ -190,3 +190,18 @@ def test_a_profile_directory_that_cannot_be_made_is_refused_before_the_run(tmp_p
     with pytest.raises(SystemExit) as stopped:
         bench.main(["--shape", "tiny", "--steps", "4", "--warmup", "1", "--profile", str(taken / "profile")])
     assert stopped.value.code == 2 and f"--profile {taken / 'profile'}" in capsys.readouterr().err
+
+
+def test_the_experts_benchmark_refuses_a_machine_without_cuda_and_splits_rows_evenly(capsys, monkeypatch):
+    from models.config import get_model_config
+    from tools import bench_experts
+
+    monkeypatch.setattr(bench_experts.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stopped:
+        bench_experts.main(["--setups", "mixtral-small"])
+    assert stopped.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+    for shape in bench_experts.SHAPES:
+        cfg = get_model_config(shape)
+        dim, ffn, rows, counts = bench_experts._rows_and_counts(shape)
+        assert (dim, ffn, rows) == (cfg.dim, cfg.expert_ffn_dim, bench_experts.TOKENS * cfg.top_k)
+        assert counts.sum() == rows and counts.numel() == cfg.num_experts and len(set(counts.tolist())) == 1

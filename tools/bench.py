@@ -79,7 +79,7 @@ def write_into_readme(readme: Path, kind: str, rendered: str) -> None:
     readme.write_text(f"{head}{begin}\n{rendered}\n{end}{tail}")
 
 
-def _commit() -> str:
+def commit_hash() -> str:
     if os.environ.get("DTRAIN_COMMIT"):
         return os.environ["DTRAIN_COMMIT"]
     try:
@@ -209,7 +209,7 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
         "final_loss": round(history[-1]["train/loss"], 4), "steps": steps, "warmup": warmup,
         "args": extra, "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "commit": _commit(), "date": datetime.date.today().isoformat(),
+        "commit": commit_hash(), "date": datetime.date.today().isoformat(),
     }
     print(json.dumps(result), flush=True)
     return result

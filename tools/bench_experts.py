@@ -1,0 +1,135 @@
+"""The routed experts' SwiGLU on one GPU, forward and backward, in each way dtrain could run it:
+torch's bf16 grouped GEMM (what `ModelContext.experts` runs) beside Transformer Engine's grouped
+GEMM in bf16 and in its FP8 recipes (te.GroupedLinear: gate and up as one projection, then down),
+at each MoE benchmark shape's routed rows (micro-batch 2 x 4096 tokens, top_k rows per token,
+every expert given the same load):
+
+    python -m tools.bench_experts [--setups mixtral-small deepseek-v2-lite] [--iters 20] \
+        >> benchmarks/experts.jsonl
+
+One JSON line per shape and way (then a markdown table): milliseconds per forward + backward and TFLOP/s (3 matmuls of
+2 x rows x dim x expert_ffn_dim FLOPs each, three times over for the backward). This decides
+whether TE's FP8 grouped GEMM is worth wiring into the experts: it must beat the bf16 kernel with
+its quantization included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from models.config import get_model_config
+from models.context import grouped_swiglu
+from tools.bench import commit_hash
+
+SHAPES = ("mixtral-small", "deepseek-v2-lite")
+TOKENS = 2 * 4096
+TE_RECIPES = ("delayed", "current", "blockwise")
+
+
+def _rows_and_counts(shape: str) -> tuple[int, int, int, torch.Tensor]:
+    cfg = get_model_config(shape)
+    rows = TOKENS * cfg.top_k
+    if rows % cfg.num_experts:
+        raise SystemExit(f"{shape}: {rows} routed rows do not split evenly over {cfg.num_experts} experts")
+    counts = torch.full((cfg.num_experts,), rows // cfg.num_experts, dtype=torch.int64)
+    return cfg.dim, cfg.expert_ffn_dim, rows, counts
+
+
+def _time_ms(step, iters: int) -> float:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def torch_step(dim: int, ffn: int, rows: int, counts: torch.Tensor):
+    experts = counts.numel()
+
+    def weight(out_features, in_features):
+        return (torch.randn(experts, out_features, in_features, device="cuda") / in_features ** 0.5).to(
+            torch.bfloat16).requires_grad_()
+
+    w_gate, w_up, w_down = weight(ffn, dim), weight(ffn, dim), weight(dim, ffn)
+    x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
+    counts = counts.cuda()
+
+    def step():
+        grouped_swiglu(x, counts, w_gate, w_up, w_down, use_grouped_mm=True).backward(grad)
+    return step
+
+
+def te_step(dim: int, ffn: int, rows: int, counts: torch.Tensor, recipe: str | None):
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as te_recipe
+
+    experts = counts.numel()
+    gate_up = te.GroupedLinear(experts, dim, 2 * ffn, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    down = te.GroupedLinear(experts, ffn, dim, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
+    splits = counts.tolist()
+    recipes = {"delayed": te_recipe.DelayedScaling, "current": te_recipe.Float8CurrentScaling,
+               "blockwise": te_recipe.Float8BlockScaling}
+
+    def step():
+        with te.autocast(enabled=recipe is not None, recipe=recipes[recipe]() if recipe else None):
+            gate, up = gate_up(x, splits).chunk(2, dim=-1)
+            out = down(F.silu(gate) * up, splits)
+        out.backward(grad)
+    return step
+
+
+def run(shapes: list[str], iters: int) -> list[dict]:
+    results = []
+    for shape in shapes:
+        dim, ffn, rows, counts = _rows_and_counts(shape)
+        ways = {"torch bf16 grouped_mm": lambda: torch_step(dim, ffn, rows, counts),
+                "te bf16 GroupedLinear": lambda: te_step(dim, ffn, rows, counts, None),
+                **{f"te {r} GroupedLinear": (lambda r=r: te_step(dim, ffn, rows, counts, r)) for r in TE_RECIPES}}
+        flops = 3 * 3 * 2 * rows * dim * ffn
+        for way, make in ways.items():
+            try:
+                ms = _time_ms(make(), iters)
+                row = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+            except Exception as error:  # one way failing (a recipe the GPU lacks) leaves the others
+                row = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+            results.append({"shape": shape, "way": way, "rows": rows, "experts": counts.numel(), "dim": dim,
+                            "expert_ffn_dim": ffn, **row, "torch": torch.__version__,
+                            "device": torch.cuda.get_device_name(), "commit": commit_hash(),
+                            "date": datetime.date.today().isoformat()})
+            print(json.dumps(results[-1]), flush=True)
+            torch.cuda.empty_cache()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_experts", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setups", nargs="+", choices=SHAPES, default=list(SHAPES))
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the experts benchmark needs a CUDA GPU")
+    results = run(args.setups, args.iters)
+    print("| shape | way | ms fwd+bwd | TFLOP/s |")
+    print("|---|---|---|---|")
+    for r in results:
+        print(f"| {r['shape']} | {r['way']} | {r.get('ms', r.get('error'))} | {r.get('tflops', '')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
