@@ -37,6 +37,20 @@ SETUPS = {
 }
 
 
+
+def cuda_ms_per_call(step, iterations: int, warmup: int = 3) -> float:
+    """GPU milliseconds per call of `step`, after `warmup` calls (compilation, allocator, autotuning)."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iterations):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iterations
+
 class _Context(LocalContext):
     """One GPU: the fused kernels, with MLA's values padded on purpose where `pad` says so."""
 
@@ -82,16 +96,7 @@ def run_setup(name: str, batch: int, seq_len: int, iterations: int, compile_: bo
         step(params, x).backward(grad)
 
     with sdpa_kernel(CUDA_ATTENTION_PRIORITY, set_priority=True):
-        for _ in range(3):  # compilation and warm-up
-            once()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iterations):
-            once()
-        end.record()
-        torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / iterations
+        ms = cuda_ms_per_call(once, iterations)
     tokens = batch * seq_len
     matmul = sum(math.prod(s.shape) for s in specs.values() if len(s.shape) >= 2)
     model_flops = tokens * (6.0 * matmul + 6.0 * seq_len * width)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from models.config import get_model_config
 from models.context import grouped_swiglu
 from tools.bench import commit_hash
+from tools.bench_attention import cuda_ms_per_call
 
 SHAPES = ("mixtral-small", "deepseek-v2-lite")
 TOKENS = 2 * 4096
@@ -39,19 +40,6 @@ def _rows_and_counts(shape: str) -> tuple[int, int, int, torch.Tensor]:
         raise SystemExit(f"{shape}: {rows} routed rows do not split evenly over {cfg.num_experts} experts")
     counts = torch.full((cfg.num_experts,), rows // cfg.num_experts, dtype=torch.int64)
     return cfg.dim, cfg.expert_ffn_dim, rows, counts
-
-
-def _time_ms(step, iters: int) -> float:
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def torch_step(dim: int, ffn: int, rows: int, counts: torch.Tensor):
@@ -102,7 +90,7 @@ def run(shapes: list[str], iters: int) -> list[dict]:
         flops = 3 * 3 * 2 * rows * dim * ffn
         for way, make in ways.items():
             try:
-                ms = _time_ms(make(), iters)
+                ms = cuda_ms_per_call(make(), iters)
                 row = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
             except Exception as error:  # one way failing (a recipe the GPU lacks) leaves the others
                 row = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
