@@ -137,7 +137,8 @@ class TEKernels:
 
     def backward(self, grad: Tensor, x: Tensor, weight: Tensor, scale: Tensor, amax: Tensor) -> tuple[Tensor, Tensor]:
         q_input, q_weight, q_grad = self.quantizers(scale, amax)
-        # Row-wise gradient for dgrad, column-wise for wgrad; column-wise weight and input only.
+        # Row-wise gradient for dgrad, column-wise for wgrad; column-wise weight and input (the
+        # per-tensor recipes make it only beside the row-wise data).
         q_grad.set_usage(rowwise=True, columnwise=True)
         q_weight.set_usage(rowwise=self.rowwise_with_columnwise, columnwise=True)
         q_input.set_usage(rowwise=self.rowwise_with_columnwise, columnwise=True)
