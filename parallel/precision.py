@@ -31,9 +31,8 @@ TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FP8_RECIPES = {"torchao": TORCHAO_RECIPES, "te": te_linear.TE_RECIPES}
 
 
-def validate_fp8(recipe: str | None, backend: str, dims: list[int], tokens: int) -> None:
-    """Before any memory: the recipe belongs to the backend, and every matmul dim FP8 sees (and,
-    for Transformer Engine, the tokens of each matmul) suits the FP8 kernels."""
+def check_fp8_recipe(recipe: str | None, backend: str) -> None:
+    """The recipe belongs to the backend (no GPU or TE needed: the planner checks it too)."""
     if recipe is None:
         return
     if backend not in FP8_RECIPES:
@@ -43,6 +42,14 @@ def validate_fp8(recipe: str | None, backend: str, dims: list[int], tokens: int)
         hint = (f"{recipe} is a recipe of --fp8-backend {other}" if other else f"unknown recipe {recipe!r}")
         raise UserError(f"--fp8-backend {backend} takes --fp8 {'|'.join(FP8_RECIPES[backend])}; {hint}"
                         + ("; per-tensor dynamic scaling is --fp8 current there" if recipe == "tensorwise" else ""))
+
+
+def validate_fp8(recipe: str | None, backend: str, dims: list[int], tokens: int) -> None:
+    """Before any memory: the recipe belongs to the backend, and every matmul dim FP8 sees (and,
+    for Transformer Engine, the tokens of each matmul) suits the FP8 kernels."""
+    if recipe is None:
+        return
+    check_fp8_recipe(recipe, backend)
     if backend == "te":
         te_linear.validate(recipe, dims, tokens)
         return

@@ -3,6 +3,8 @@ step-time models against the measured benchmark rows.
 
     python -m dtrain.plan --model llama3-70b --gpus 1024 --gpus-per-node 8 --gpu-memory-gb 80 \\
         --seq-len 8192 --global-batch 1024 [--fp8 tensorwise] [--top 3] [--json]
+    python -m dtrain.plan --model llama3-8b --gpus 64 --global-batch 256 \\
+        --fp8 delayed --fp8-backend te --fp8-head          # Transformer Engine's FP8, the head too
     python -m dtrain.plan --validate benchmarks/results.jsonl [--readme README.md]
 
 With --readme, the output is also written into that file between the markers that name the
@@ -18,9 +20,10 @@ import time
 from pathlib import Path
 
 from dtrain.plan.hardware import GIGA, H200
-from dtrain.plan.search import Candidate, Target, nothing_fits, search
+from dtrain.plan.search import Candidate, Target, fp8_flags, nothing_fits, search
+from dtrain.plan.validate import check_head
 from models.errors import UserError
-from models.linear_cross_entropy import check_chunk_tokens
+from parallel.precision import FP8_RECIPES, check_fp8_recipe
 
 END_MARKER = "<!-- end of python -m dtrain.plan -->"
 
@@ -35,7 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="usable memory per GPU")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--global-batch", type=int, help="samples per optimizer step")
-    parser.add_argument("--fp8", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"), default=None)
+    parser.add_argument("--fp8", choices=[recipe for recipes in FP8_RECIPES.values() for recipe in recipes],
+                        default=None, help="FP8 matmuls in the blocks, as dtrain.run takes them")
+    parser.add_argument("--fp8-backend", choices=list(FP8_RECIPES), default="torchao",
+                        help="whose FP8: torchao's recipes, or Transformer Engine's (te); TE's matmuls keep bf16 "
+                        "activations, so its layouts need more memory")
+    parser.add_argument("--fp8-head", action="store_true", help="under --fp8, the output projection in FP8 too")
     parser.add_argument("--loss-chunk-tokens", type=int, default=0,
                         help="the output projection and loss this many tokens at a time (dtrain.run's flag; 0: all)")
     parser.add_argument("--inter-node-gb-s", type=float, default=H200.inter_node_gb_s,
@@ -63,7 +71,8 @@ def describe(candidate: Candidate, rank: int, gpu_memory_gb: float) -> list[str]
     memory_line = candidate.memory.lines()[0]
     step = candidate.step
     return [
-        f"{rank}. --mesh {candidate.mesh}: {', '.join(layout)}" + (f", fp8 {t.fp8}" if t.fp8 else ""),
+        f"{rank}. --mesh {candidate.mesh}: {', '.join(layout)}"
+        + (f", {' '.join(fp8_flags(t.fp8, t.fp8_backend, t.fp8_head))}" if t.fp8 else ""),
         f"   memory per rank {memory_line.replace(' GB at', f' of {gpu_memory_gb:g} GB at', 1)}",
         f"   {step.tokens_per_sec_per_gpu:,.0f} tokens/s/GPU, MFU {100 * step.mfu():.1f}%, {step.seconds:.2f} s per step",
         f"   {candidate.command}",
@@ -74,7 +83,8 @@ def plan_text(target: Target, candidates: list[Candidate], top: int, seconds: fl
     nodes = max(1, target.gpus // target.gpus_per_node)
     head = (f"{target.model} on {target.gpus} GPUs ({nodes} x {min(target.gpus, target.gpus_per_node)}, "
             f"{target.gpu_memory_gb:g} GB each), seq {target.seq_len}, global batch {target.global_batch}"
-            f"{', fp8 ' + target.fp8 if target.fp8 else ''}: {len(candidates):,} layouts fit "
+            f"{', ' + ' '.join(fp8_flags(target.fp8, target.fp8_backend, target.fp8_head)) if target.fp8 else ''}: "
+            f"{len(candidates):,} layouts fit "
             f"(searched in {seconds:.1f} s); the best {min(top, len(candidates))}:")
     lines = [head, ""]
     for rank, candidate in enumerate(candidates[:top], 1):
@@ -126,10 +136,12 @@ def run(args: argparse.Namespace) -> str:
             args.gpu_memory_gb, args.inter_node_gb_s, args.host_memory_gb) <= 0:
         raise UserError("--gpus, --gpus-per-node, --seq-len, --global-batch, --gpu-memory-gb, --inter-node-gb-s "
                         "and --host-memory-gb must be positive")
-    check_chunk_tokens(args.loss_chunk_tokens)
+    check_head(args.fp8, args.fp8_head, args.loss_chunk_tokens)
+    check_fp8_recipe(args.fp8, args.fp8_backend)
     target = Target(model=args.model, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
                     gpu_memory_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node,
-                    model_overrides=args.model_overrides, fp8=args.fp8, loss_chunk_tokens=args.loss_chunk_tokens,
+                    model_overrides=args.model_overrides, fp8=args.fp8, fp8_backend=args.fp8_backend,
+                    fp8_head=args.fp8_head, loss_chunk_tokens=args.loss_chunk_tokens,
                     inter_node_gb_s=args.inter_node_gb_s, host_memory_gb=args.host_memory_gb)
     started = time.perf_counter()
     candidates = search(target)

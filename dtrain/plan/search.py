@@ -45,6 +45,8 @@ class Target:
     gpus_per_node: int = 8
     model_overrides: str = ""
     fp8: str | None = None
+    fp8_backend: str = "torchao"
+    fp8_head: bool = False
     loss_chunk_tokens: int = 0
     compile: bool = True
     precision: str = "bf16"
@@ -99,6 +101,14 @@ class Candidate:
         }
 
 
+def fp8_flags(recipe: str | None, backend: str, head: bool) -> list[str]:
+    """The dtrain.run flags of an FP8 setting (none without a recipe)."""
+    if recipe is None:
+        return []
+    return ["--fp8", recipe, *(["--fp8-backend", backend] if backend != "torchao" else []),
+            *(["--fp8-head"] if head else [])]
+
+
 def run_flags(config: Config) -> list[str]:
     """The dtrain.run flags of a candidate: the model and data shape, the layout it chose."""
     m, p, d, t = config.model, config.parallel, config.data, config.train
@@ -122,8 +132,7 @@ def run_flags(config: Config) -> list[str]:
         flags += ["--fsdp-reshard-after-forward", p.fsdp_reshard_after_forward]
     if p.cpu_offload:
         flags.append("--cpu-offload")
-    if t.fp8:
-        flags += ["--fp8", t.fp8]
+    flags += fp8_flags(t.fp8, t.fp8_backend, t.fp8_head)
     if t.loss_chunk_tokens:
         flags += ["--loss-chunk-tokens", str(t.loss_chunk_tokens)]
     return flags
@@ -218,8 +227,8 @@ def _mesh(target: Target, tp, cp, pp, dp_replicate, dp_shard, ep, schedule, virt
         model=ModelArgs(target.model, target.model_overrides),
         parallel=ParallelArgs(mesh=mesh, sequence_parallel=tp > 1, pp_schedule=schedule, pp_virtual_stages=virtual),
         data=DataArgs(data="synthetic", seq_len=target.seq_len, micro_batch=1, global_batch=target.global_batch),
-        train=TrainArgs(compile=target.compile, fp8=target.fp8, precision=target.precision,
-                        loss_chunk_tokens=target.loss_chunk_tokens),
+        train=TrainArgs(compile=target.compile, fp8=target.fp8, fp8_backend=target.fp8_backend,
+                        fp8_head=target.fp8_head, precision=target.precision, loss_chunk_tokens=target.loss_chunk_tokens),
     )
     try:
         works = [workload(config, target.gpus, rank) for rank in {0, target.gpus - 1}]
@@ -298,7 +307,7 @@ def nothing_fits(target: Target) -> str:
             options.append(f"with --seq-len {seq}" + (" and --cpu-offload" if offload else ""))
             break
         seq //= 2
-    offload = _fits(attrs.evolve(target, fp8="tensorwise")) if target.fp8 is None else None
+    offload = _fits(attrs.evolve(target, fp8="tensorwise", fp8_backend="torchao")) if target.fp8 is None else None
     if offload is not None:
         options.append("with --fp8 tensorwise" + (" and --cpu-offload" if offload else ""))
     if not options:

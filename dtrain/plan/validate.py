@@ -124,12 +124,7 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
         raise UserError(f"--tp-overlap splits each rank's {config.data.seq_len // mesh_spec.cp} tokens of a sequence "
                         f"into tp={tp} equal shards; use a --seq-len divisible by {tp * mesh_spec.cp}, or "
                         f"--tp-overlap none")
-    if t.fp8_head and t.fp8 is None:
-        raise UserError("--fp8-head runs the output projection in FP8; give --fp8 RECIPE with it")
-    check_chunk_tokens(t.loss_chunk_tokens)
-    if t.loss_chunk_tokens and t.fp8_head:
-        raise UserError("--loss-chunk-tokens runs the output projection in bf16, a chunk at a time; --fp8-head runs "
-                        "it in FP8 on all tokens at once: drop one of them")
+    check_head(t.fp8, t.fp8_head, t.loss_chunk_tokens)
     if t.fp8 is not None:
         if t.precision != "bf16":
             raise UserError(f"--fp8 runs the other ops in bf16; use --precision bf16, not {t.precision}")
@@ -145,6 +140,16 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
     for name, path in (("--resume", t.resume if t.resume != "latest" else None), ("--init-from-hf", t.init_from_hf)):
         if path is not None and not Path(path).exists():
             raise UserError(f"{name} {path}: no such checkpoint directory")
+
+
+def check_head(fp8: str | None, fp8_head: bool, loss_chunk_tokens: int) -> None:
+    """The output projection's flags agree (the planner checks them too)."""
+    if fp8_head and fp8 is None:
+        raise UserError("--fp8-head runs the output projection in FP8; give --fp8 RECIPE with it")
+    check_chunk_tokens(loss_chunk_tokens)
+    if loss_chunk_tokens and fp8_head:
+        raise UserError("--loss-chunk-tokens runs the output projection in bf16, a chunk at a time; --fp8-head runs "
+                        "it in FP8 on all tokens at once: drop one of them")
 
 
 def _matmul_widths(model_cfg, tp: int, head: bool) -> list[int]:
