@@ -37,7 +37,6 @@ SETUPS = {
 }
 
 
-
 def cuda_ms_per_call(step, iterations: int, warmup: int = 3) -> float:
     """GPU milliseconds per call of `step`, after `warmup` calls (compilation, allocator, autotuning)."""
     for _ in range(warmup):
@@ -50,6 +49,7 @@ def cuda_ms_per_call(step, iterations: int, warmup: int = 3) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iterations
+
 
 class _Context(LocalContext):
     """One GPU: the fused kernels, with MLA's values padded on purpose where `pad` says so."""

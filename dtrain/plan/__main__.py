@@ -68,11 +68,12 @@ def describe(candidate: Candidate, rank: int, gpu_memory_gb: float) -> list[str]
         layout.append(f"reshard {p.fsdp_reshard_after_forward}")
     if p.cpu_offload:
         layout.append("CPU offload")
+    if t.fp8:
+        layout.append(" ".join(fp8_flags(t)))
     memory_line = candidate.memory.lines()[0]
     step = candidate.step
     return [
-        f"{rank}. --mesh {candidate.mesh}: {', '.join(layout)}"
-        + (f", {' '.join(fp8_flags(t.fp8, t.fp8_backend, t.fp8_head))}" if t.fp8 else ""),
+        f"{rank}. --mesh {candidate.mesh}: {', '.join(layout)}",
         f"   memory per rank {memory_line.replace(' GB at', f' of {gpu_memory_gb:g} GB at', 1)}",
         f"   {step.tokens_per_sec_per_gpu:,.0f} tokens/s/GPU, MFU {100 * step.mfu():.1f}%, {step.seconds:.2f} s per step",
         f"   {candidate.command}",
@@ -81,10 +82,10 @@ def describe(candidate: Candidate, rank: int, gpu_memory_gb: float) -> list[str]
 
 def plan_text(target: Target, candidates: list[Candidate], top: int, seconds: float) -> str:
     nodes = max(1, target.gpus // target.gpus_per_node)
+    fp8 = " ".join(fp8_flags(target))
     head = (f"{target.model} on {target.gpus} GPUs ({nodes} x {min(target.gpus, target.gpus_per_node)}, "
             f"{target.gpu_memory_gb:g} GB each), seq {target.seq_len}, global batch {target.global_batch}"
-            f"{', ' + ' '.join(fp8_flags(target.fp8, target.fp8_backend, target.fp8_head)) if target.fp8 else ''}: "
-            f"{len(candidates):,} layouts fit "
+            f"{', ' + fp8 if fp8 else ''}: {len(candidates):,} layouts fit "
             f"(searched in {seconds:.1f} s); the best {min(top, len(candidates))}:")
     lines = [head, ""]
     for rank, candidate in enumerate(candidates[:top], 1):

@@ -45,7 +45,7 @@ def target_of(config: Config, world_size: int) -> Target:
     return Target(model=config.model.model, model_overrides=config.model.model_overrides, gpus=world_size,
                   seq_len=d.seq_len, global_batch=d.global_batch or d.micro_batch * world_size,
                   gpu_memory_gb=gpu_memory_gb(config), gpus_per_node=gpus_per_node(), fp8=t.fp8,
-                  fp8_backend=t.fp8_backend, fp8_head=t.fp8_head and t.fp8 is not None,
+                  fp8_backend=t.fp8_backend, fp8_head=t.fp8_head,
                   loss_chunk_tokens=t.loss_chunk_tokens, compile=t.compile, precision=t.precision)
 
 
@@ -118,7 +118,7 @@ def out_of_memory_report(config: Config, world_size: int, rank: int, error: Base
         return "\n".join(lines)
     nearest = min(fits, key=lambda c: (_distance(c, config, mesh), -c.tokens_per_sec_per_gpu))
     lines.append(f"  nearest layout that fits: {summary(nearest)}")
-    fp8 = "".join(f" {flag}" for flag in fp8_flags(target.fp8, target.fp8_backend, target.fp8_head))
+    fp8 = "".join(f" {flag}" for flag in fp8_flags(target))
     lines.append(f"  python -m dtrain.plan --model {target.model} --gpus {world_size} --gpu-memory-gb {limit:g} "
                  f"--seq-len {target.seq_len} --global-batch {target.global_batch}{fp8} lists the fastest")
     return "\n".join(lines)

@@ -101,12 +101,13 @@ class Candidate:
         }
 
 
-def fp8_flags(recipe: str | None, backend: str, head: bool) -> list[str]:
-    """The dtrain.run flags of an FP8 setting (none without a recipe)."""
-    if recipe is None:
+def fp8_flags(settings: TrainArgs | Target) -> list[str]:
+    """The dtrain.run flags of the FP8 settings (`fp8`, `fp8_backend`, `fp8_head`) of a run or a
+    planner target: none without a recipe."""
+    if settings.fp8 is None:
         return []
-    return ["--fp8", recipe, *(["--fp8-backend", backend] if backend != "torchao" else []),
-            *(["--fp8-head"] if head else [])]
+    backend = ["--fp8-backend", settings.fp8_backend] if settings.fp8_backend != "torchao" else []
+    return ["--fp8", settings.fp8, *backend, *(["--fp8-head"] if settings.fp8_head else [])]
 
 
 def run_flags(config: Config) -> list[str]:
@@ -132,7 +133,7 @@ def run_flags(config: Config) -> list[str]:
         flags += ["--fsdp-reshard-after-forward", p.fsdp_reshard_after_forward]
     if p.cpu_offload:
         flags.append("--cpu-offload")
-    flags += fp8_flags(t.fp8, t.fp8_backend, t.fp8_head)
+    flags += fp8_flags(t)
     if t.loss_chunk_tokens:
         flags += ["--loss-chunk-tokens", str(t.loss_chunk_tokens)]
     return flags
