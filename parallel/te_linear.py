@@ -54,6 +54,14 @@ def import_te():
     return te
 
 
+def make_recipe(name: str):
+    """TE's recipe object for one of TE_RECIPES, with TE's defaults."""
+    import_te()
+    from transformer_engine.common import recipe as te_recipe
+
+    return getattr(te_recipe, _RECIPE_CLASSES[name])()
+
+
 def validate(recipe: str, dims: list[int], tokens: int) -> None:
     """Before any memory: TE imports, runs `recipe` on this GPU, and the shapes suit its kernels."""
     te = import_te()
@@ -79,12 +87,11 @@ class TEKernels:
 
     def __init__(self, recipe: str):
         te = import_te()
-        from transformer_engine.common import recipe as te_recipe
         from transformer_engine.pytorch.cpp_extensions import general_gemm
         from transformer_engine.pytorch.quantization import RecipeState
 
         self.name = recipe
-        self.recipe = getattr(te_recipe, _RECIPE_CLASSES[recipe])()
+        self.recipe = make_recipe(recipe)
         self.gemm = general_gemm
         # te.Linear's choice: the recipe's where it names one, else TE's module defaults.
         self.split_accumulator = {

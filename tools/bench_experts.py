@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from models.config import get_model_config
 from models.context import grouped_swiglu
+from parallel import te_linear
 from tools.bench import commit_hash
 from tools.bench_attention import cuda_ms_per_call
 
@@ -60,20 +61,16 @@ def torch_step(dim: int, ffn: int, rows: int, counts: torch.Tensor):
 
 
 def te_step(dim: int, ffn: int, rows: int, counts: torch.Tensor, recipe: str | None):
-    import transformer_engine.pytorch as te
-    from transformer_engine.common import recipe as te_recipe
-
+    te = te_linear.import_te()
     experts = counts.numel()
     gate_up = te.GroupedLinear(experts, dim, 2 * ffn, bias=False, params_dtype=torch.bfloat16, device="cuda")
     down = te.GroupedLinear(experts, ffn, dim, bias=False, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
     splits = counts.tolist()
-    recipes = {"delayed": te_recipe.DelayedScaling, "current": te_recipe.Float8CurrentScaling,
-               "blockwise": te_recipe.Float8BlockScaling}
 
     def step():
-        with te.autocast(enabled=recipe is not None, recipe=recipes[recipe]() if recipe else None):
+        with te.autocast(enabled=recipe is not None, recipe=te_linear.make_recipe(recipe) if recipe else None):
             gate, up = gate_up(x, splits).chunk(2, dim=-1)
             out = down(F.silu(gate) * up, splits)
         out.backward(grad)
