@@ -120,8 +120,10 @@ def curve_report(losses: dict[str, dict[int, float]], window: int = 10, tail: in
     for mark in marks:
         chosen = [s for s in steps if mark - window < s <= mark]
         base = mean(reference, chosen)
-        cells = [f"{base:.4f}"] + [f"{mean(losses[n], chosen):.4f} ({100 * (mean(losses[n], chosen) / base - 1):+.2f}%)"
-                                   for n in names[1:]]
+        cells = [f"{base:.4f}"]
+        for name in names[1:]:
+            value = mean(losses[name], chosen)
+            cells.append(f"{value:.4f} ({100 * (value / base - 1):+.2f}%)")
         lines.append(f"  | {chosen[0]}-{chosen[-1]} | {' | '.join(cells)} |")
     last, later = steps[-tail:], [s for s in steps if s > 10]
     for name in names[1:]:
