@@ -75,7 +75,7 @@ def build_model_parts(config: Config, model_cfg: LlamaConfig, plan: Plan, mesh: 
         ep_dispatch=ep_dispatch or "alltoall",
         fp8_linear=fp8_linear,
         fp8_layers=precision.fp8_blocks(model_cfg.num_layers, t.fp8_keep_ends), fp8_head=t.fp8_head,
-        fuse_projections=t.fuse_projections, loss_chunk_tokens=t.loss_chunk_tokens,
+        fp8_experts=t.fp8_experts, fuse_projections=t.fuse_projections, loss_chunk_tokens=t.loss_chunk_tokens,
         reshard_mode=p.fsdp_reshard_after_forward, attention_kernel=t.attention_kernel, cpu_offload=p.cpu_offload,
     )
     if mesh_spec.pp == 1:

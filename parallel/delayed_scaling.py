@@ -39,10 +39,13 @@ GRAD_SCALE_KEY = "grad_scale"
 
 @attrs.frozen
 class LayerScaling:
-    """One layer's matmuls: `scales[i]` and `amaxes[i]` are matmul i's three slots ([3] views)."""
+    """One layer's matmuls: `scales[i]` and `amaxes[i]` are matmul i's three slots ([3] views);
+    `scale_block` and `amax_block` are all of them at once ([matmuls, 3] views)."""
 
     scales: tuple[torch.Tensor, ...]
     amaxes: tuple[torch.Tensor, ...]
+    scale_block: torch.Tensor
+    amax_block: torch.Tensor
 
 
 @attrs.define
@@ -81,8 +84,11 @@ class DelayedScaling:
         views = {}
         for name, (first, count) in layers.items():
             spans = [slice(first + len(SLOTS) * i, first + len(SLOTS) * (i + 1)) for i in range(count)]
+            block = slice(first, first + len(SLOTS) * count)
             views[name] = LayerScaling(tuple(part.scale[s] for s in spans),
-                                       tuple(part.amax_history[0, s] for s in spans))
+                                       tuple(part.amax_history[0, s] for s in spans),
+                                       part.scale[block].view(count, len(SLOTS)),
+                                       part.amax_history[0, block].view(count, len(SLOTS)))
         return views
 
     @torch.no_grad()

@@ -246,16 +246,26 @@ def _on_local_tensors(exchange, x, inputs: dict[str, torch.Tensor], **kwargs) ->
     return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
 
 
+def _local_swiglu(compile_experts: bool, fp8_experts, group: dist.ProcessGroup | None, num_experts: int, **options):
+    """What computes this rank's experts: FP8 experts (`parallel.te_experts.LayerExperts`) told the
+    global id of the rank's first expert, else the bf16 grouped GEMM, compiled with `options`
+    where `compile_experts`."""
+    if fp8_experts is not None:
+        rank = dist.get_rank(group) if ep_size(group) > 1 else 0
+        return functools.partial(fp8_experts, first=rank * (num_experts // ep_size(group)))
+    return _compiled(grouped_swiglu, **options) if compile_experts else grouped_swiglu
+
+
 @torch.compiler.disable
 def experts_over_group(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                        w_down: torch.Tensor, *, group: dist.ProcessGroup | None,
-                       compile_experts: bool = False) -> torch.Tensor:
+                       compile_experts: bool = False, fp8_experts=None) -> torch.Tensor:
     """`ModelContext.experts` for a context that may have expert parallelism, outside compiled
     graphs (the module docstring says why); `compile_experts` compiles the local experts' SwiGLU.
     With no group or ep == 1 this is the single-device path unchanged; the global expert count is
-    `counts.numel()`."""
+    `counts.numel()`. `fp8_experts` runs the local experts in FP8 instead."""
     # Row counts differ every step: dynamic from the first compile.
-    swiglu = _compiled(grouped_swiglu, dynamic=True) if compile_experts else grouped_swiglu
+    swiglu = _local_swiglu(compile_experts, fp8_experts, group, counts.shape[0], dynamic=True)
     if ep_size(group) == 1:
         return swiglu(x, counts, w_gate, w_up, w_down)
     inputs = {"counts": counts, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
@@ -265,7 +275,8 @@ def experts_over_group(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tens
 @torch.compiler.disable
 def experts_on_tokens_by_allgather(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                                    w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
-                                   group: dist.ProcessGroup, compile_experts: bool = False) -> torch.Tensor:
+                                   group: dist.ProcessGroup, compile_experts: bool = False,
+                                   fp8_experts=None) -> torch.Tensor:
     """`expert_parallel_tokens_allgather` on possibly-DTensor inputs. The local tensors are taken
     outside compiled graphs: traced inside the block, FSDP's gathered expert weights (DTensors)
     change requires_grad after the first step and the block compiles again. `compile_experts`
@@ -276,7 +287,8 @@ def experts_on_tokens_by_allgather(x: torch.Tensor, expert_ids: torch.Tensor, we
     num_experts = w_gate.shape[0] if isinstance(w_gate, DTensor) else w_gate.shape[0] * ep_size(group)
     inputs = {"expert_ids": expert_ids, "weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
     return _on_local_tensors(expert_parallel_tokens_allgather, x, inputs, group=group, num_experts=num_experts,
-                             through_local_experts=local_step)
+                             through_local_experts=local_step,
+                             swiglu=_local_swiglu(False, fp8_experts, group, num_experts))
 
 
 class ExpertParallelContextMixin:
@@ -288,15 +300,25 @@ class ExpertParallelContextMixin:
     ep_group: dist.ProcessGroup | None = None
     ep_dispatch: str = "alltoall"
     compile_experts: bool = False
+    fp8_linear = None
+
+    @property
+    def fp8_experts(self):
+        """The layer's FP8 experts (`parallel.te_experts.LayerExperts`), None where they are bf16."""
+        return getattr(self.fp8_linear, "experts", None)
 
     def experts_on_tokens(self, x, expert_ids, weights, w_gate, w_up, w_down):
         if ep_size(self.ep_group) == 1 or self.ep_dispatch != "allgather":
             return super().experts_on_tokens(x, expert_ids, weights, w_gate, w_up, w_down)
         return experts_on_tokens_by_allgather(x, expert_ids, weights, w_gate, w_up, w_down, group=self.ep_group,
-                                              compile_experts=self.compile_experts)
+                                              compile_experts=self.compile_experts, fp8_experts=self.fp8_experts)
 
     def experts(self, x, counts, w_gate, w_up, w_down):
+        if ep_size(self.ep_group) == 1 and self.fp8_experts is not None:
+            # In the block's graph (a custom op), on the local tensors.
+            inputs = {"counts": counts, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+            return _on_local_tensors(self.fp8_experts, x, inputs)
         if ep_size(self.ep_group) == 1:
             return super().experts(x, counts, w_gate, w_up, w_down)
         return experts_over_group(x, counts, w_gate, w_up, w_down, group=self.ep_group,
-                                  compile_experts=self.compile_experts)
+                                  compile_experts=self.compile_experts, fp8_experts=self.fp8_experts)

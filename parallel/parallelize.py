@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models import spec
-from parallel import data_parallel, precision, recompute, tensor_parallel
+from parallel import data_parallel, precision, recompute, te_experts, tensor_parallel
 from parallel.context import ParallelContext
 from parallel.modules import ModelModule
 from parallel.plan import Plan
@@ -21,7 +21,7 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
                 compile_blocks: bool = False, async_tp: bool = False, tp_overlap: str | None = None,
                 cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None, ep_dispatch: str = "alltoall",
                 fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fp8_head: bool = False,
-                fuse_projections: bool = False, loss_chunk_tokens: int = 0, reshard_mode: str = "default",
+                fp8_experts: bool = False, fuse_projections: bool = False, loss_chunk_tokens: int = 0, reshard_mode: str = "default",
                 attention_kernel: str = "auto", full_recompute: frozenset[str] = frozenset(), cpu_offload: bool = False,
                 ) -> tuple[ModelModule, ParallelContext]:
     """This rank's model: parameters placed by the plan, blocks wrapped for recompute (the blocks
@@ -61,6 +61,10 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
         # Each FP8 layer's own matmuls (Transformer Engine's delayed scaling keeps state per matmul).
         layer_fp8 = fp8_linear.for_layers({m.layer_name: _fp8_matmuls(m.layer_name, model.specs)
                                            for m in fp8_modules})
+        if fp8_experts:
+            routed = {m.layer_name: _routed_experts(m.layer_name, model.specs) for m in fp8_modules}
+            for name, experts in te_experts.for_layers(fp8_linear, {n: e for n, e in routed.items() if e}).items():
+                layer_fp8[name].experts = experts
         for module in fp8_modules:
             module.ctx = ctx.with_fp8(layer_fp8[module.layer_name])
             module.forward_fn = layer_fp8[module.layer_name].wrap_forward(module.forward_fn)
@@ -87,6 +91,12 @@ def _fp8_matmuls(layer_name: str, specs: dict[str, spec.ParamSpec]) -> int:
         return 1
     return sum(1 for name, param in specs.items()
                if name.startswith(layer_name + ".") and precision.is_fp8_matmul_weight(param.axes))
+
+
+def _routed_experts(layer_name: str, specs: dict[str, spec.ParamSpec]) -> int:
+    """How many routed experts a layer has (all ranks'), 0 for a dense one."""
+    return max((param.shape[0] for name, param in specs.items()
+                if name.startswith(layer_name + ".") and "expert" in param.axes), default=0)
 
 
 def materialize(model: ModelModule, device: torch.device, seed: int, *, cpu_offload: bool = False) -> None:

@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from models.errors import UserError
-from parallel import te_linear  # noqa: F401  (registers torch.ops.dtrain.te_linear)
+from parallel import te_experts, te_linear  # noqa: F401  (register torch.ops.dtrain.te_linear and te_experts)
 
 try:  # registers torch's variable-length attention op (torch >= 2.10), named below
     import torch.nn.attention.varlen  # noqa: F401
@@ -37,6 +37,8 @@ _SAVED_OPS = {
     _aten._scaled_mm.default,
     # Transformer Engine's FP8 matmul (parallel/te_linear.py): quantize and GEMM in one op.
     torch.ops.dtrain.te_linear.default,
+    # ... and the routed experts' FP8 grouped GEMMs (parallel/te_experts.py), the SwiGLU in one op.
+    torch.ops.dtrain.te_experts.default,
     # The experts' GEMMs: the bulk of an MoE block's FLOPs.
     _aten._grouped_mm.default,
     _aten._scaled_grouped_mm.default,

@@ -110,6 +110,13 @@ class _Quantizer:
         return Quantized(cast.float() / scale, self.rowwise_usage, self.columnwise_usage)
 
 
+def _amax(tensor: torch.Tensor) -> torch.Tensor:
+    """max |value| in fp32; 0 for an empty tensor (an expert without rows)."""
+    if tensor.numel() == 0:
+        return torch.zeros((), device=tensor.device)
+    return tensor.detach().abs().amax().float()
+
+
 class Float8Quantizer(_Quantizer):
     """Delayed scaling: casts with the given scale; max-accumulates the amax into `amax`."""
 
@@ -120,7 +127,7 @@ class Float8Quantizer(_Quantizer):
 
     def _scale(self, tensor):
         # Written through .data as TE's kernel writes through a pointer: no autograd version bump.
-        self.amax.data.copy_(torch.maximum(self.amax.data, tensor.detach().abs().amax().float().reshape(1)))
+        self.amax.data.copy_(torch.maximum(self.amax.data, _amax(tensor).reshape(1)))
         return self.scale.detach().float()
 
 
@@ -128,7 +135,7 @@ class Float8CurrentScalingQuantizer(_Quantizer):
     """Current scaling: the scale of each tensor from its own amax."""
 
     def _scale(self, tensor):
-        amax = tensor.detach().abs().amax().float()
+        amax = _amax(tensor)
         fp8_max = torch.finfo(TORCH_DTYPES[self.dtype]).max
         return torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax))
 
@@ -164,6 +171,32 @@ def general_gemm(A, B, out_dtype=None, quantization_params=None, gelu=False, gel
     return result.to(out_dtype), None, None, None
 
 
+def general_grouped_gemm(A, B, out, quantization_params, out_dtype, layout="TN", m_splits=None, grad=False,
+                         accumulate=False, use_split_accumulator=False, single_output=False, **_):
+    """One `general_gemm` per group: into consecutive row blocks of `out[0]` (`single_output`, blocks
+    of `m_splits` rows), else into `out[i]`; a group without rows gives zeros (TE zeroes it)."""
+    assert len(A) == len(B) == len(quantization_params), (len(A), len(B), len(quantization_params))
+    views = list(out[0].split(m_splits)) if single_output else out
+    assert len(views) == len(A)
+    for a, b, view in zip(A, B, views):
+        if a.values.numel() == 0 or b.values.numel() == 0:
+            if not accumulate:
+                view.zero_()
+            continue
+        result, *_ = general_gemm(a, b, out_dtype=torch.float32, layout=layout,
+                                  use_split_accumulator=use_split_accumulator, grad=grad)
+        view.copy_(result + view.float() if accumulate else result)
+    CALLS.append({"op": "grouped_gemm", "layout": layout, "groups": len(A), "splits": list(m_splits or []),
+                  "accumulate": accumulate, "split_accumulator": use_split_accumulator})
+    return out, None, None
+
+
+def split_quantize(tensor, split_sections, quantizer_list, disable_bulk_allocation=False):
+    """TE's bulk cast: each block of `split_sections` rows with its own quantizer."""
+    assert tensor.shape[0] == sum(split_sections), (tensor.shape, split_sections)
+    return [quantizer(part) for part, quantizer in zip(tensor.split(list(split_sections)), quantizer_list)]
+
+
 SUPPORT = {"fp8": (True, ""),
            "mxfp8": (False, "Device compute capability 10.0 or higher required for MXFP8 execution."),
            "block": (True, "")}
@@ -187,7 +220,9 @@ def modules() -> dict[str, types.ModuleType]:
                      Float8CurrentScaling=Float8CurrentScaling, MXFP8BlockScaling=MXFP8BlockScaling,
                      Float8BlockScaling=Float8BlockScaling)
     common = _module("transformer_engine.common", recipe=recipe)
-    cpp_extensions = _module("transformer_engine.pytorch.cpp_extensions", general_gemm=general_gemm)
+    cpp_extensions = _module("transformer_engine.pytorch.cpp_extensions", general_gemm=general_gemm,
+                             general_grouped_gemm=general_grouped_gemm)
+    extension = _module("transformer_engine_torch", split_quantize=split_quantize)
     quantization = _module("transformer_engine.pytorch.quantization", RecipeState=RecipeState)
     pytorch = _module("transformer_engine.pytorch", DType=DType, Float8Quantizer=Float8Quantizer,
                       Float8CurrentScalingQuantizer=Float8CurrentScalingQuantizer, QuantizerRole=QuantizerRole,
@@ -195,7 +230,7 @@ def modules() -> dict[str, types.ModuleType]:
                       is_fp8_available=_availability("fp8"), is_mxfp8_available=_availability("mxfp8"),
                       is_fp8_block_scaling_available=_availability("block"))
     package = _module("transformer_engine", pytorch=pytorch, common=common)
-    return {m.__name__: m for m in (package, common, recipe, pytorch, cpp_extensions, quantization)}
+    return {m.__name__: m for m in (package, common, recipe, pytorch, cpp_extensions, quantization, extension)}
 
 
 def install() -> None:
@@ -205,9 +240,10 @@ def install() -> None:
     found = modules()
     found["transformer_engine"].__fake__ = True
     sys.modules.update(found)
-    from parallel import te_linear
+    from parallel import te_experts, te_linear
 
     te_linear.kernels.cache_clear()  # kernels built with another TE (or none) must not be reused
+    te_experts.kernels.cache_clear()
 
 
 @contextlib.contextmanager
@@ -223,6 +259,7 @@ def installed():
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
-        from parallel import te_linear
+        from parallel import te_experts, te_linear
 
         te_linear.kernels.cache_clear()
+        te_experts.kernels.cache_clear()

@@ -71,6 +71,53 @@ def test_dtrain_te_matmul_is_te_linear_with_our_weight(recipe):
     assert 1e-4 < _relative(out, reference) < 0.08, _relative(out, reference)
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fp8_experts_are_te_grouped_linear_with_our_weights(recipe):
+    """The experts' SwiGLU (gate, up, down: one te.GroupedLinear each, under te.autocast's first
+    step) against dtrain's op on the same [experts, out, in] weights, forward and gradients."""
+    _supported(recipe)
+    from transformer_engine.common import recipe as te_recipe
+
+    from parallel.te_experts import for_layers
+    from parallel.te_linear import TELinear
+
+    torch.manual_seed(0)
+    splits, dim, ffn = [256, 0, 512, 256], 512, 1024
+    x = torch.randn(sum(splits), dim, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(sum(splits), dim, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.randn(len(splits), out, inp, device="cuda", dtype=torch.bfloat16) / inp ** 0.5
+               for out, inp in ((ffn, dim), (ffn, dim), (dim, ffn))]
+
+    modules = [te.GroupedLinear(len(splits), w.shape[2], w.shape[1], bias=False, params_dtype=torch.bfloat16)
+               for w in weights]
+    with torch.no_grad():
+        for module, w in zip(modules, weights):
+            for e in range(len(splits)):
+                getattr(module, f"weight{e}").copy_(w[e])
+    x_te = x.clone().requires_grad_()
+    with te.autocast(enabled=True, recipe=getattr(te_recipe, RECIPES[recipe][0])()):
+        gate, up = modules[0](x_te, splits), modules[1](x_te, splits)
+        out_te = modules[2](torch.nn.functional.silu(gate) * up, splits)
+    out_te.backward(grad)
+
+    experts = for_layers(TELinear(recipe, torch.device("cuda")), {"layer": len(splits)})["layer"]
+    x_ours = x.clone().requires_grad_()
+    ours = [w.clone().requires_grad_() for w in weights]
+    out = experts(x_ours, torch.tensor(splits, device="cuda"), *ours)
+    out.backward(grad)
+
+    assert _relative(out, out_te) <= 1e-3, _relative(out, out_te)
+    assert _relative(x_ours.grad, x_te.grad) <= 1e-3, _relative(x_ours.grad, x_te.grad)
+    for name, w, module in zip(("gate", "up", "down"), ours, modules):
+        theirs = torch.stack([getattr(module, f"weight{e}").grad for e in range(len(splits))])
+        assert _relative(w.grad, theirs) <= 1e-3, (name, _relative(w.grad, theirs))
+    assert w.grad[1].abs().max() == 0  # the expert without rows
+    reference = torch.cat([torch.nn.functional.linear(torch.nn.functional.silu(r.float() @ weights[0][e].float().t())
+                                                      * (r.float() @ weights[1][e].float().t()), weights[2][e].float())
+                           for e, r in enumerate(x.split(splits))])
+    assert 1e-4 < _relative(out, reference) < 0.08, _relative(out, reference)
+
+
 def _train(run_dir, extra: list[str], nproc: int = 1, steps: int = 20, module: str = "dtrain.run") -> list[float]:
     result = run_cli([*SMALL, "--steps", str(steps), "--run-dir", str(run_dir), *extra], nproc=nproc, module=module)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -127,6 +174,25 @@ def test_moe_with_expert_parallelism_trains_like_bf16(tmp_path):
     for result in (bf16, fp8):
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     _assert_tracks(scalars(tmp_path / "te")["train/loss"], scalars(tmp_path / "bf16")["train/loss"], 0.03, "ep=2")
+
+
+MOE = ["--model", "tiny-moe", "--seed", "0", "--precision", "bf16", "--seq-len", "256", "--micro-batch", "4",
+       "--global-batch", "8", "--lr", "1e-3", "--steps", "20"]
+
+
+@pytest.mark.parametrize("mesh", ["single", "dp=2,ep=2"])
+def test_fp8_experts_train_like_bf16_experts(tmp_path, mesh):
+    """--fp8-experts (router-given, uneven rows per expert) against the same run with the experts in bf16."""
+    nproc = 1 if mesh == "single" else 2
+    if torch.cuda.device_count() < nproc:
+        pytest.skip("needs 2 CUDA GPUs")
+    args = [*MOE, *TE_DELAYED, *([] if mesh == "single" else ["--mesh", mesh]), "--compile"]
+    for name, extra in (("bf16-experts", []), ("fp8-experts", ["--fp8-experts"])):
+        result = run_cli([*args, "--run-dir", str(tmp_path / name), *extra], nproc=nproc)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    fp8, bf16 = (scalars(tmp_path / name)["train/loss"] for name in ("fp8-experts", "bf16-experts"))
+    assert fp8 != bf16, "the experts' FP8 run computed exactly the bf16 losses"
+    _assert_tracks(fp8, bf16, 0.03, f"--fp8-experts {mesh}")
 
 
 def test_fp8_state_round_trips_through_a_checkpoint(tmp_path):

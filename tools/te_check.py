@@ -37,7 +37,11 @@ BENCH_GROUPS = {
     "llama-8b dp=2": ["llama-8b dp=2", "llama-8b dp=2 fp8", "llama-8b dp=2 te delayed", "llama-8b dp=2 te current"],
     "llama-8b tp=2 sp": ["llama-8b tp=2 sp", "llama-8b tp=2 sp fp8", "llama-8b tp=2 sp te delayed"],
     "mixtral-small dp=2,ep=2": ["mixtral-small dp=2,ep=2 allgather", "mixtral-small dp=2,ep=2 allgather fp8",
-                                "mixtral-small dp=2,ep=2 allgather te delayed"],
+                                "mixtral-small dp=2,ep=2 allgather te delayed",
+                                "mixtral-small dp=2,ep=2 allgather te delayed experts"],
+    "mixtral-small single": ["mixtral-small single layers=8", "mixtral-small single layers=8 fp8",
+                             "mixtral-small single layers=8 te delayed",
+                             "mixtral-small single layers=8 te delayed experts"],
 }
 CURVES = {"bf16": [], "bf16 again": [], "torchao tensorwise": ["--fp8", "tensorwise"],
           "te delayed": ["--fp8", "delayed", "--fp8-backend", "te"],

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from dtrain.plan.hardware import GIGA, H200
 from dtrain.plan.search import Candidate, Target, fp8_flags, nothing_fits, search
-from dtrain.plan.validate import check_head
+from dtrain.plan.validate import check_experts, check_head
+from models.config import get_model_config
 from models.errors import UserError
 from parallel.precision import FP8_RECIPES, check_fp8_recipe
 
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="whose FP8: torchao's recipes, or Transformer Engine's (te); TE's matmuls keep bf16 "
                         "activations, so its layouts need more memory")
     parser.add_argument("--fp8-head", action="store_true", help="under --fp8, the output projection in FP8 too")
+    parser.add_argument("--fp8-experts", action="store_true",
+                        help="with --fp8-backend te, the routed experts' grouped GEMMs in FP8 too")
     parser.add_argument("--loss-chunk-tokens", type=int, default=0,
                         help="the output projection and loss this many tokens at a time (dtrain.run's flag; 0: all)")
     parser.add_argument("--inter-node-gb-s", type=float, default=H200.inter_node_gb_s,
@@ -142,8 +145,9 @@ def run(args: argparse.Namespace) -> str:
     target = Target(model=args.model, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
                     gpu_memory_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node,
                     model_overrides=args.model_overrides, fp8=args.fp8, fp8_backend=args.fp8_backend,
-                    fp8_head=args.fp8_head, loss_chunk_tokens=args.loss_chunk_tokens,
+                    fp8_head=args.fp8_head, fp8_experts=args.fp8_experts, loss_chunk_tokens=args.loss_chunk_tokens,
                     inter_node_gb_s=args.inter_node_gb_s, host_memory_gb=args.host_memory_gb)
+    check_experts(target, get_model_config(args.model, args.model_overrides))
     started = time.perf_counter()
     candidates = search(target)
     seconds = time.perf_counter() - started

@@ -45,7 +45,7 @@ def target_of(config: Config, world_size: int) -> Target:
     return Target(model=config.model.model, model_overrides=config.model.model_overrides, gpus=world_size,
                   seq_len=d.seq_len, global_batch=d.global_batch or d.micro_batch * world_size,
                   gpu_memory_gb=gpu_memory_gb(config), gpus_per_node=gpus_per_node(), fp8=t.fp8,
-                  fp8_backend=t.fp8_backend, fp8_head=t.fp8_head,
+                  fp8_backend=t.fp8_backend, fp8_head=t.fp8_head, fp8_experts=t.fp8_experts,
                   loss_chunk_tokens=t.loss_chunk_tokens, compile=t.compile, precision=t.precision)
 
 

@@ -47,6 +47,7 @@ class Target:
     fp8: str | None = None
     fp8_backend: str = "torchao"
     fp8_head: bool = False
+    fp8_experts: bool = False
     loss_chunk_tokens: int = 0
     compile: bool = True
     precision: str = "bf16"
@@ -102,12 +103,13 @@ class Candidate:
 
 
 def fp8_flags(settings: TrainArgs | Target) -> list[str]:
-    """The dtrain.run flags of the FP8 settings (`fp8`, `fp8_backend`, `fp8_head`) of a run or a
-    planner target: none without a recipe."""
+    """The dtrain.run flags of the FP8 settings (`fp8`, `fp8_backend`, `fp8_head`, `fp8_experts`) of
+    a run or a planner target: none without a recipe."""
     if settings.fp8 is None:
         return []
     backend = ["--fp8-backend", settings.fp8_backend] if settings.fp8_backend != "torchao" else []
-    return ["--fp8", settings.fp8, *backend, *(["--fp8-head"] if settings.fp8_head else [])]
+    return ["--fp8", settings.fp8, *backend, *(["--fp8-head"] if settings.fp8_head else []),
+            *(["--fp8-experts"] if settings.fp8_experts else [])]
 
 
 def run_flags(config: Config) -> list[str]:
@@ -229,7 +231,7 @@ def _mesh(target: Target, tp, cp, pp, dp_replicate, dp_shard, ep, schedule, virt
         parallel=ParallelArgs(mesh=mesh, sequence_parallel=tp > 1, pp_schedule=schedule, pp_virtual_stages=virtual),
         data=DataArgs(data="synthetic", seq_len=target.seq_len, micro_batch=1, global_batch=target.global_batch),
         train=TrainArgs(compile=target.compile, fp8=target.fp8, fp8_backend=target.fp8_backend,
-                        fp8_head=target.fp8_head, precision=target.precision, loss_chunk_tokens=target.loss_chunk_tokens),
+                        fp8_head=target.fp8_head, fp8_experts=target.fp8_experts, precision=target.precision, loss_chunk_tokens=target.loss_chunk_tokens),
     )
     try:
         works = [workload(config, target.gpus, rank) for rank in {0, target.gpus - 1}]

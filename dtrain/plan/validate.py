@@ -125,6 +125,7 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
                         f"into tp={tp} equal shards; use a --seq-len divisible by {tp * mesh_spec.cp}, or "
                         f"--tp-overlap none")
     check_head(t.fp8, t.fp8_head, t.loss_chunk_tokens)
+    check_experts(t, model_cfg)
     if t.fp8 is not None:
         if t.precision != "bf16":
             raise UserError(f"--fp8 runs the other ops in bf16; use --precision bf16, not {t.precision}")
@@ -150,6 +151,16 @@ def check_head(fp8: str | None, fp8_head: bool, loss_chunk_tokens: int) -> None:
     if loss_chunk_tokens and fp8_head:
         raise UserError("--loss-chunk-tokens runs the output projection in bf16, a chunk at a time; --fp8-head runs "
                         "it in FP8 on all tokens at once: drop one of them")
+
+
+def check_experts(settings, model_cfg) -> None:
+    """`--fp8-experts` has TE's FP8 and routed experts to run (a run's train args or a planner
+    target; the planner checks it too)."""
+    if settings.fp8_experts and (settings.fp8 is None or settings.fp8_backend != "te"):
+        raise UserError("--fp8-experts runs the routed experts in Transformer Engine's FP8 grouped GEMM; give "
+                        "--fp8 RECIPE --fp8-backend te with it")
+    if settings.fp8_experts and not isinstance(model_cfg, MoEConfig):
+        raise UserError("--fp8-experts: this model has no routed experts; drop the flag")
 
 
 def _matmul_widths(model_cfg, tp: int, head: bool) -> list[int]:
