@@ -45,6 +45,7 @@ class GroupedKernels:
         self.dense = te_linear.kernels(recipe)
         self.align = te_linear.ALIGNMENT[recipe]
         self.split_quantize = tex.split_quantize
+        self.multi_quantize = tex.multi_tensor_quantize
         self.grouped_gemm = general_grouped_gemm
 
     def _quantizers(self, scale: Tensor, amax: Tensor, first: int, experts: int) -> list[list[tuple]]:
@@ -62,7 +63,7 @@ class GroupedKernels:
     def _quantize_weights(self, weights: Tensor, quantizers: list, rowwise: bool, columnwise: bool) -> list:
         for quantizer in quantizers:
             quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-        return [quantizer(weights[e]) for e, quantizer in enumerate(quantizers)]
+        return self.multi_quantize(list(weights.unbind(0)), quantizers)
 
     def _gemm(self, a: list, b: list, out: Tensor, splits: list[int], layout: str, accumulate: bool = False):
         """cuBLAS's layouts as in te_linear: TN is b @ a.T (forward) and NN b @ a (input gradient),
@@ -100,10 +101,10 @@ class GroupedKernels:
         hidden = F.silu(gate) * up
         grad_w_down = self._gemm(self._quantize_rows(hidden, splits, [q[0] for q in down_q], both, True), grad_out,
                                  torch.empty_like(w_down), splits, "NT")
-        # SwiGLU's gradients, in fp32.
-        gate32, sigmoid = gate.float(), torch.sigmoid(gate.float())
-        grad_up = (grad_hidden.float() * gate32 * sigmoid).to(x.dtype)
-        grad_gate = (grad_hidden.float() * up.float() * sigmoid * (1 + gate32 * (1 - sigmoid))).to(x.dtype)
+        # SwiGLU's gradients as autograd computes them for the bf16 experts (the same roundings: an
+        # FP8 cast of the gradients turns a bf16 ulp of difference into an FP8 step).
+        grad_up = grad_hidden * F.silu(gate)
+        grad_gate = torch.ops.aten.silu_backward(grad_hidden * up, gate)
         # Gate and up: one input gradient, summed over both; their weight gradients from one input.
         inputs = self._quantize_rows(layout.pad(x), splits, [q[0] for q in gate_q], both, True)
         grad_x = x.new_empty(layout.rows, x.shape[1])

@@ -98,6 +98,7 @@ class TEKernels:
             gemm: getattr(getattr(self.recipe, f"fp8_gemm_{gemm}", None), "use_split_accumulator", default)
             for gemm, default in (("fprop", False), ("dgrad", True), ("wgrad", True))}
         self.shared = None
+        self.made: dict[tuple[int, int], tuple] = {}  # delayed scaling's quantizers, by their slots
         # TE's per-tensor cast makes the column-wise (transposed) copy only beside the row-wise one.
         self.rowwise_with_columnwise = recipe in ("delayed", "current")
         if recipe == "delayed":
@@ -126,11 +127,16 @@ class TEKernels:
 
     def quantizers(self, scale: Tensor, amax: Tensor) -> tuple:
         """(input, weight, output gradient) quantizers; delayed scaling's read `scale` [3] and
-        max-accumulate into `amax` [3], the matmul's slots of parallel.delayed_scaling."""
+        max-accumulate into `amax` [3], the matmul's slots of parallel.delayed_scaling. Made once
+        per pair of slots: the slots are state buffers that live as long as the run, and making
+        TE's quantizers costs the host more than a matmul of a 2048-wide layer takes the GPU."""
         if self.shared is not None:
             return self.shared
-        return self._configure(tuple(self.delayed_quantizer(scale[i], amax[i:i + 1], dtype)
-                                     for i, dtype in enumerate(self.fp8_dtypes)))
+        key = (scale.data_ptr(), amax.data_ptr())
+        if key not in self.made:
+            self.made[key] = self._configure(tuple(self.delayed_quantizer(scale[i], amax[i:i + 1], dtype)
+                                                   for i, dtype in enumerate(self.fp8_dtypes)))
+        return self.made[key]
 
     def forward(self, x: Tensor, weight: Tensor, scale: Tensor, amax: Tensor) -> Tensor:
         q_input, q_weight, _ = self.quantizers(scale, amax)

@@ -197,6 +197,12 @@ def split_quantize(tensor, split_sections, quantizer_list, disable_bulk_allocati
     return [quantizer(part) for part, quantizer in zip(tensor.split(list(split_sections)), quantizer_list)]
 
 
+def multi_tensor_quantize(tensor_list, quantizer_list):
+    """TE's cast of several tensors in one call, each with its own quantizer."""
+    assert len(tensor_list) == len(quantizer_list)
+    return [quantizer(tensor) for tensor, quantizer in zip(tensor_list, quantizer_list)]
+
+
 SUPPORT = {"fp8": (True, ""),
            "mxfp8": (False, "Device compute capability 10.0 or higher required for MXFP8 execution."),
            "block": (True, "")}
@@ -222,7 +228,8 @@ def modules() -> dict[str, types.ModuleType]:
     common = _module("transformer_engine.common", recipe=recipe)
     cpp_extensions = _module("transformer_engine.pytorch.cpp_extensions", general_gemm=general_gemm,
                              general_grouped_gemm=general_grouped_gemm)
-    extension = _module("transformer_engine_torch", split_quantize=split_quantize)
+    extension = _module("transformer_engine_torch", split_quantize=split_quantize,
+                        multi_tensor_quantize=multi_tensor_quantize)
     quantization = _module("transformer_engine.pytorch.quantization", RecipeState=RecipeState)
     pytorch = _module("transformer_engine.pytorch", DType=DType, Float8Quantizer=Float8Quantizer,
                       Float8CurrentScalingQuantizer=Float8CurrentScalingQuantizer, QuantizerRole=QuantizerRole,

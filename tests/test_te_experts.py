@@ -41,19 +41,17 @@ def _inputs(counts=COUNTS, seed: int = 0):
 
 
 def _reference(x, counts, w_gate, w_up, w_down, grad):
-    """Per expert: current scaling's casts, the fp32 matmuls, bf16 outputs; SwiGLU's gradients in fp32."""
+    """Per expert: current scaling's casts, the fp32 matmuls, bf16 outputs; SwiGLU's gradients by
+    autograd in bf16."""
     out, grad_x, grads_w = [], [], {"gate": [], "up": [], "down": []}
     for e, (rows, g) in enumerate(zip(x.detach().split(counts.tolist()), grad.split(counts.tolist()))):
         xq, gq = _quantized(rows), _quantized(g, torch.float8_e5m2)
         wg, wu, wd = (_quantized(w[e].detach()) for w in (w_gate, w_up, w_down))
-        gate, up = (xq @ wg.t()).bfloat16(), (xq @ wu.t()).bfloat16()
+        gate, up = (xq @ wg.t()).bfloat16().requires_grad_(), (xq @ wu.t()).bfloat16().requires_grad_()
         hidden = F.silu(gate) * up
-        hq = _quantized(hidden)
+        hq = _quantized(hidden.detach())
         out.append((hq @ wd.t()).bfloat16())
-        grad_hidden = (gq @ wd).bfloat16().float()
-        sigmoid = torch.sigmoid(gate.float())
-        grad_up = (grad_hidden * gate.float() * sigmoid).bfloat16()
-        grad_gate = (grad_hidden * up.float() * sigmoid * (1 + gate.float() * (1 - sigmoid))).bfloat16()
+        grad_gate, grad_up = torch.autograd.grad(hidden, (gate, up), (gq @ wd).bfloat16())
         ggq, guq = _quantized(grad_gate, torch.float8_e5m2), _quantized(grad_up, torch.float8_e5m2)
         grad_x.append(((ggq @ wg).bfloat16().float() + guq @ wu).bfloat16())
         grads_w["gate"].append((ggq.t() @ xq).bfloat16())
