@@ -123,8 +123,8 @@ class TrainArgs:
     fp8_head: bool = _field(False, "under --fp8, run the output projection in FP8 too (bf16 by default: its "
                                    "logits feed the loss directly)")
     fp8_experts: bool = _field(False, "with --fp8-backend te, the routed experts' grouped GEMMs in FP8 too (measured "
-                                      "faster than bf16 for Mixtral-sized experts under --fp8 delayed, slower for "
-                                      "DeepSeek's small ones)")
+                                      "slower than the bf16 experts on an H200 at Mixtral-small's and DeepSeek's "
+                                      "shapes: see the README)")
     fp8_all_gather: bool = _field(True, "under --fp8 tensorwise with FSDP over CUDA GPUs and tp=1, all-gather the "
                                         "FP8 blocks' matmul weights in float8 (half the bytes of bf16)")
     compile: bool = _field(False, "torch.compile each transformer block")
