@@ -199,3 +199,34 @@ def test_compiled_blocks_keep_the_fp8_experts_op_in_one_graph_and_the_eager_loss
     calls = [json.loads(line) for line in (tmp_path / "calls.0").read_text().splitlines()]
     # Selective recompute keeps the op's outputs: each block's experts run once a micro-batch.
     assert sum(1 for c in calls if c["op"] == "grouped_gemm" and c["layout"] == "TN") == 4 * 3 * 2 * 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "tiny", "--fp8", "delayed", "--fp8-backend", "te", "--fp8-experts"], "this model has no routed experts"),
+    (["--model", "tiny-moe", "--fp8", "tensorwise", "--fp8-experts"], "give --fp8 RECIPE --fp8-backend te with it"),
+    (["--model", "tiny-moe", "--fp8-experts"], "give --fp8 RECIPE --fp8-backend te with it"),
+])
+def test_fp8_experts_without_te_fp8_or_routed_experts_is_refused_in_one_line(args, message, capsys):
+    from dtrain.run import main
+
+    with fake_te.installed():
+        assert main([*args, "--precision", "bf16", "--print-plan"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_checkpoint_resumes_with_the_experts_switched_to_fp8_and_back(tmp_path):
+    """The experts' scaling state is its own entries: a run resumed with --fp8-experts starts them
+    afresh; one resumed without it leaves them in the checkpoint; the other layers' carry over."""
+    with fake_te.installed():
+        _train(tmp_path / "bf16", ["--checkpoint-every", "1"])
+        resume = ["--resume", str(tmp_path / "bf16" / "checkpoints" / "step_000001"), "--checkpoint-every", "1"]
+        _train(tmp_path / "on", [*resume, "--fp8-experts"])
+        before = _fp8_state(tmp_path / "bf16" / "checkpoints" / "step_000001")
+        after = _fp8_state(tmp_path / "on" / "checkpoints" / "step_000002")
+        assert not any("experts" in name for name in before)
+        assert after["blocks.0.experts.scale"].shape == (3 * 3 * get_model_config("tiny-moe").num_experts,)
+        # The blocks' own history carried over: step 1's amaxes, one row further back after step 2.
+        assert before["blocks.0.amax_history"][-1].abs().max() > 0
+        assert torch.equal(after["blocks.0.amax_history"][-2], before["blocks.0.amax_history"][-1])
+        _train(tmp_path / "off", ["--resume", str(tmp_path / "on" / "checkpoints" / "step_000002")])
