@@ -21,8 +21,9 @@ def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, devic
                 compile_blocks: bool = False, async_tp: bool = False, tp_overlap: str | None = None,
                 cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None, ep_dispatch: str = "alltoall",
                 fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fp8_head: bool = False,
-                fp8_experts: bool = False, fuse_projections: bool = False, loss_chunk_tokens: int = 0, reshard_mode: str = "default",
-                attention_kernel: str = "auto", full_recompute: frozenset[str] = frozenset(), cpu_offload: bool = False,
+                fp8_experts: bool = False, fuse_projections: bool = False, loss_chunk_tokens: int = 0,
+                reshard_mode: str = "default", attention_kernel: str = "auto",
+                full_recompute: frozenset[str] = frozenset(), cpu_offload: bool = False,
                 ) -> tuple[ModelModule, ParallelContext]:
     """This rank's model: parameters placed by the plan, blocks wrapped for recompute (the blocks
     named in `full_recompute` fully, the others by `recompute_mode`) and compile, FSDP2 applied.

@@ -227,6 +227,10 @@ def for_layers(backend: te_linear.TELinear, experts: dict[str, int]) -> dict[str
         scale, amax = backend.no_slots
         blocks = {name: (scale.expand(count, 3), amax.expand(count, 3)) for name, count in slots.items()}
     else:
-        blocks = {name: (view.scale_block, view.amax_block) for name, view in backend.scaling.add_layers(slots).items()}
-    return {name: LayerExperts(backend.recipe, *blocks[f"{name}.experts"], torch.zeros_like(blocks[f"{name}.experts"][1]))
-            for name in experts}
+        views = backend.scaling.add_layers(slots)
+        blocks = {name: (view.scale_block, view.amax_block) for name, view in views.items()}
+    layers = {}
+    for name in experts:
+        scale, amax = blocks[f"{name}.experts"]
+        layers[name] = LayerExperts(backend.recipe, scale, amax, eval_amax=torch.zeros_like(amax))
+    return layers

@@ -202,7 +202,8 @@ def test_compiled_blocks_keep_the_fp8_experts_op_in_one_graph_and_the_eager_loss
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "tiny", "--fp8", "delayed", "--fp8-backend", "te", "--fp8-experts"], "this model has no routed experts"),
+    (["--model", "tiny", "--fp8", "delayed", "--fp8-backend", "te", "--fp8-experts"],
+     "this model has no routed experts"),
     (["--model", "tiny-moe", "--fp8", "tensorwise", "--fp8-experts"], "give --fp8 RECIPE --fp8-backend te with it"),
     (["--model", "tiny-moe", "--fp8-experts"], "give --fp8 RECIPE --fp8-backend te with it"),
 ])
