@@ -46,6 +46,7 @@ GRACE_S = 20.0
 # long after the signal waits in a collective for a peer that is gone (NCCL notices no dead peer):
 # it records why and exits before torchrun's SIGKILL, 30 s after its SIGTERM, leaves no trace.
 TERM_GRACE_S = 25.0
+CLOSE_TIMEOUT_S = 35.0  # longer than a store call of the board can take (heartbeat.open_board: 30 s)
 HANGS = "hangs"  # under the run directory: each rank's Python stacks at a hang
 MAX_PLACES = 4  # (step, phase) groups of waiting ranks a report lists
 
@@ -152,7 +153,15 @@ class Watchdog:
         self._thread.start()
 
     def close(self) -> None:
+        """Stops the watchdog thread and waits for it. A daemon thread still inside a store call
+        when the interpreter exits aborts the process ("terminate called without an active
+        exception": it takes the GIL back during finalization), after a run that succeeded."""
         self._stop.set()
+        # Not a thread that ends the process itself (after a hang report or a SIGTERM), and one
+        # that is in a store call whose host is gone only up to the store's timeout.
+        ending = self.report is not None or self._terminated_at is not None
+        if self._thread.is_alive() and not ending and self._thread is not threading.current_thread():
+            self._thread.join(timeout=CLOSE_TIMEOUT_S)
 
     def adopt_groups(self, groups: list, set_collective_timeout: Callable[[float, list], None]) -> None:
         """The process groups whose collective timeout follows the limit (a background save's
