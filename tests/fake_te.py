@@ -1,5 +1,6 @@
 """A stand-in for Transformer Engine on machines without CUDA (TE's PyTorch extension builds only
-with CUDA): the modules and names that parallel/te_linear.py uses, computing what TE computes
+with CUDA): the modules and names that parallel/te_linear.py and parallel/te_experts.py use
+(the grouped GEMM and the bulk casts as one call per group), computing what TE computes
 for per-tensor recipes (a cast to torch's float8 dtypes with the quantizer's scale, the GEMM in
 fp32 on the dequantized values) and recording every call, so that CPU tests check dtrain's wiring:
 which local tensors reach TE, with which scales and usages, and what comes back.

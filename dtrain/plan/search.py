@@ -231,7 +231,8 @@ def _mesh(target: Target, tp, cp, pp, dp_replicate, dp_shard, ep, schedule, virt
         parallel=ParallelArgs(mesh=mesh, sequence_parallel=tp > 1, pp_schedule=schedule, pp_virtual_stages=virtual),
         data=DataArgs(data="synthetic", seq_len=target.seq_len, micro_batch=1, global_batch=target.global_batch),
         train=TrainArgs(compile=target.compile, fp8=target.fp8, fp8_backend=target.fp8_backend,
-                        fp8_head=target.fp8_head, fp8_experts=target.fp8_experts, precision=target.precision, loss_chunk_tokens=target.loss_chunk_tokens),
+                        fp8_head=target.fp8_head, fp8_experts=target.fp8_experts, precision=target.precision,
+                        loss_chunk_tokens=target.loss_chunk_tokens),
     )
     try:
         works = [workload(config, target.gpus, rank) for rank in {0, target.gpus - 1}]
