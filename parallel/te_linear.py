@@ -216,12 +216,12 @@ class LayerLinear:
 
     on_local_shards = True
 
-    def __init__(self, recipe: str, scales: tuple[Tensor, ...], amaxes: tuple[Tensor, ...], eval_amax: Tensor,
-                 experts=None):
+    def __init__(self, recipe: str, scales: tuple[Tensor, ...], amaxes: tuple[Tensor, ...], eval_amax: Tensor):
         self.recipe, self.scales, self.amaxes, self.eval_amax = recipe, scales, amaxes, eval_amax
         self.next_matmul = 0
-        # The routed experts' grouped matmuls (parallel.te_experts.LayerExperts), where they are FP8.
-        self.experts = experts
+        # The routed experts' grouped matmuls (parallel.te_experts.LayerExperts), where they are FP8
+        # (set by parallel.parallelize under --fp8-experts).
+        self.experts = None
 
     def __call__(self, x: Tensor, weight: Tensor) -> Tensor:
         index = self.next_matmul

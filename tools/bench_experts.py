@@ -1,7 +1,8 @@
 """The routed experts' SwiGLU on one GPU, forward and backward, in each way dtrain could run it:
 torch's bf16 grouped GEMM (what `ModelContext.experts` runs) beside Transformer Engine's grouped
 GEMM in bf16 and in its FP8 recipes (te.GroupedLinear: gate and up as one projection, then down),
-at each MoE benchmark shape's routed rows (micro-batch 2 x 4096 tokens, top_k rows per token,
+and dtrain's own `--fp8-experts` op (parallel/te_experts.py: TE's kernels on dtrain's weights), at
+each MoE benchmark shape's routed rows (micro-batch 2 x 4096 tokens, top_k rows per token,
 every expert given the same load):
 
     python -m tools.bench_experts [--setups mixtral-small deepseek-v2-lite] [--iters 20] \
@@ -43,20 +44,36 @@ def _rows_and_counts(shape: str) -> tuple[int, int, int, torch.Tensor]:
     return cfg.dim, cfg.expert_ffn_dim, rows, counts
 
 
-def torch_step(dim: int, ffn: int, rows: int, counts: torch.Tensor):
+def _experts_inputs(dim: int, ffn: int, rows: int, counts: torch.Tensor):
+    """The rows, their counts and the [experts, out, in] weights as dtrain holds them, and a gradient."""
     experts = counts.numel()
 
     def weight(out_features, in_features):
         return (torch.randn(experts, out_features, in_features, device="cuda") / in_features ** 0.5).to(
             torch.bfloat16).requires_grad_()
 
-    w_gate, w_up, w_down = weight(ffn, dim), weight(ffn, dim), weight(dim, ffn)
     x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
-    counts = counts.cuda()
+    return x, counts.cuda(), (weight(ffn, dim), weight(ffn, dim), weight(dim, ffn)), grad
+
+
+def torch_step(dim: int, ffn: int, rows: int, counts: torch.Tensor):
+    x, counts, weights, grad = _experts_inputs(dim, ffn, rows, counts)
 
     def step():
-        grouped_swiglu(x, counts, w_gate, w_up, w_down, use_grouped_mm=True).backward(grad)
+        grouped_swiglu(x, counts, *weights, use_grouped_mm=True).backward(grad)
+    return step
+
+
+def dtrain_te_step(dim: int, ffn: int, rows: int, counts: torch.Tensor, recipe: str):
+    """dtrain's `--fp8-experts` op (parallel/te_experts.py) on the same inputs as `torch_step`."""
+    from parallel.te_experts import for_layers
+
+    x, counts, weights, grad = _experts_inputs(dim, ffn, rows, counts)
+    experts = for_layers(te_linear.TELinear(recipe, torch.device("cuda")), {"layer": counts.numel()})["layer"]
+
+    def step():
+        experts(x, counts, *weights).backward(grad)
     return step
 
 
@@ -83,7 +100,8 @@ def run(shapes: list[str], iters: int) -> list[dict]:
         dim, ffn, rows, counts = _rows_and_counts(shape)
         ways = {"torch bf16 grouped_mm": lambda: torch_step(dim, ffn, rows, counts),
                 "te bf16 GroupedLinear": lambda: te_step(dim, ffn, rows, counts, None),
-                **{f"te {r} GroupedLinear": (lambda r=r: te_step(dim, ffn, rows, counts, r)) for r in TE_RECIPES}}
+                **{f"te {r} GroupedLinear": (lambda r=r: te_step(dim, ffn, rows, counts, r)) for r in TE_RECIPES},
+                "dtrain --fp8-experts delayed": lambda: dtrain_te_step(dim, ffn, rows, counts, "delayed")}
         flops = 3 * 3 * 2 * rows * dim * ffn
         for way, make in ways.items():
             try:
