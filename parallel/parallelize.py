@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from models import spec
+from models import mixtral, spec
 from parallel import data_parallel, precision, recompute, te_experts, tensor_parallel
 from parallel.context import ParallelContext
 from parallel.modules import ModelModule
@@ -97,7 +97,7 @@ def _fp8_matmuls(layer_name: str, specs: dict[str, spec.ParamSpec]) -> int:
 def _routed_experts(layer_name: str, specs: dict[str, spec.ParamSpec]) -> int:
     """How many routed experts a layer has (all ranks'), 0 for a dense one."""
     return max((param.shape[0] for name, param in specs.items()
-                if name.startswith(layer_name + ".") and "expert" in param.axes), default=0)
+                if name.startswith(layer_name + ".") and mixtral.is_expert_weight(param)), default=0)
 
 
 def materialize(model: ModelModule, device: torch.device, seed: int, *, cpu_offload: bool = False) -> None:
