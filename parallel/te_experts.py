@@ -58,14 +58,12 @@ class GroupedKernels:
                  for e in range(experts)] for m in range(MATMULS)]
 
     def _quantize_rows(self, rows: Tensor, splits: list[int], quantizers: list, rowwise: bool, columnwise: bool):
-        for quantizer in quantizers:
-            quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-        return self.split_quantize(rows, splits, quantizers)
+        """Each expert's block of rows with its quantizer (one call)."""
+        return self.split_quantize(rows, splits, _with_usage(quantizers, rowwise, columnwise))
 
     def _quantize_weights(self, weights: Tensor, quantizers: list, rowwise: bool, columnwise: bool) -> list:
-        for quantizer in quantizers:
-            quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-        return self.multi_quantize(list(weights.unbind(0)), quantizers)
+        """Each expert's weight with its quantizer (one call)."""
+        return self.multi_quantize(list(weights.unbind(0)), _with_usage(quantizers, rowwise, columnwise))
 
     def _gemm(self, a: list, b: list, out: Tensor, splits: list[int], layout: str, accumulate: bool = False):
         """cuBLAS's layouts as in te_linear: TN is b @ a.T (forward) and NN b @ a (input gradient),
@@ -118,6 +116,12 @@ class GroupedKernels:
                        splits, "NN", accumulate=accumulate)
             grads_w.append(self._gemm(inputs, grad_q, torch.empty_like(weights), splits, "NT"))
         return layout.unpad(grad_x), *grads_w, grad_w_down
+
+
+def _with_usage(quantizers: list, rowwise: bool, columnwise: bool) -> list:
+    for quantizer in quantizers:
+        quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    return quantizers
 
 
 class PaddedRows:
