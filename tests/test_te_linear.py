@@ -289,17 +289,3 @@ def test_delayed_scaling_on_dp_and_tp_with_sp_keeps_the_scales_of_one_process(tm
         # Inputs: bf16 rounding through the blocks moves an activation's max by a few ulps (2.3% seen).
         torch.testing.assert_close(ratio[:, 0], torch.ones_like(ratio[:, 0]), rtol=4e-2, atol=0)  # inputs
         torch.testing.assert_close(ratio[:, 2], torch.full_like(ratio[:, 2], 0.5), rtol=0.15, atol=0)
-
-
-def test_the_curve_report_compares_window_means_with_the_first_curve():
-    from tools.te_check import curve_report
-
-    torch.manual_seed(0)
-    steps = range(1, 61)
-    bf16 = {s: 10.0 / s ** 0.5 + 0.01 * float(torch.randn(())) for s in steps}
-    higher = {s: loss * 1.02 for s, loss in bf16.items()}
-    report = curve_report({"bf16": bf16, "fp8": higher})
-    assert "| 1-1 |" in report and "| 41-50 |" in report and "| 51-60 |" in report
-    assert "fp8: steps 41-60 +2.00% from bf16; mean |per-step difference| from step 11 2.00%" in report
-    with pytest.raises(ValueError, match="share 5 steps"):
-        curve_report({"bf16": {s: 1.0 for s in range(5)}, "fp8": {s: 1.0 for s in range(5)}})

@@ -65,6 +65,10 @@ README_MARKERS = {
     # Written with the table, where the README has these markers.
     "breakdown": ("<!-- step breakdown: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
                   "<!-- end of step breakdown -->"),
+    "fp8 recipes": ("<!-- fp8 recipes: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
+                    "<!-- end of fp8 recipes -->"),
+    "fp8 curves": ("<!-- fp8 curves: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
+                   "<!-- end of fp8 curves -->"),
 }
 
 
@@ -294,6 +298,18 @@ def breakdowns(path: Path) -> str:
     return "\n".join(lines)
 
 
+def _write_companions(readme: Path, results: Path) -> None:
+    """The tables rendered from the same results (and the FP8 curves file beside them), each where
+    the README has its markers."""
+    from tools import fp8_tables
+
+    companions = {"breakdown": lambda: breakdowns(results), "fp8 recipes": lambda: fp8_tables.recipes_table(results),
+                  "fp8 curves": lambda: fp8_tables.curves_table(results.parent / fp8_tables.CURVES_FILE)}
+    for kind, render in companions.items():
+        if README_MARKERS[kind][0] in readme.read_text():
+            write_into_readme(readme, kind, render())
+
+
 def _masked(row: dict) -> bool:
     """Whether the run attends within documents or a sliding window rather than whole causal rows."""
     return "--document-mask" in row["args"] or any("sliding_window" in arg for arg in row["args"])
@@ -375,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             rendered = render(source)
             if args.readme:
                 write_into_readme(args.readme, kind, rendered)
-                if kind == "table" and README_MARKERS["breakdown"][0] in args.readme.read_text():
-                    write_into_readme(args.readme, "breakdown", breakdowns(source))
+                if kind == "table":
+                    _write_companions(args.readme, source)
             print(rendered)
             return 0
     if args.steps <= args.warmup:

@@ -9,9 +9,11 @@ bench   per setup, bf16, torchao FP8 and TE FP8 one after another (tools.bench_s
         to --out); prints tok/s/GPU and TE's ratio to torchao's (the target: at least 1)
 curves  --curve-steps steps of llama-1b on the bundled corpus in bf16 (twice, the same seed), torchao
         FP8 and TE delayed and current scaling (two runs at a time, one per GPU or both on one);
-        prints 10-step mean losses against bf16's, and per curve its difference over the last 20
-        steps and its mean absolute per-step difference (the target: within 1%; the second bf16
-        run shows how far non-deterministic kernels alone take a curve)
+        records each curve in fp8_curves.json beside --out as it finishes, and prints 10-step mean
+        losses against bf16's, and per curve its difference over the last 20 steps and its mean
+        absolute per-step difference (the target: within 1%; the second bf16 run shows how far
+        non-deterministic kernels alone take a curve); `python -m tools.bench --table
+        benchmarks/results.jsonl --readme README.md` writes that table into the README
 
 Each phase fits one 10-minute call except `bench` without --only: about 1.5 min per setup.
 """
@@ -19,6 +21,8 @@ Each phase fits one 10-minute call except `bench` without --only: about 1.5 min 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -26,7 +30,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tools import bench_suite
+from tools import bench_suite, fp8_tables
 from tools.compare_runs import read_scalars
 
 # Per setup: bf16, torchao FP8, then TE's recipes; names from tools.bench_suite.SUITE.
@@ -92,50 +96,37 @@ def _curve(name: str, steps: int, gpu: int) -> tuple[str, Path, int]:
     return name, run_dir, result.returncode
 
 
-def run_curves(steps: int) -> bool:
-    print(f"== curves: {steps} steps of llama-1b on the bundled corpus", flush=True)
+def run_curves(steps: int, out: Path) -> bool:
+    print(f"== curves: {steps} steps of llama-1b on the bundled corpus, recorded in {out}", flush=True)
     import torch
 
+    from tools.bench import commit_hash
+
+    about = {"curves": list(CURVES), "args": [*CURVE_ARGS, "--steps", str(steps)], "commit": commit_hash(),
+             "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+             "torch": torch.__version__, "te": _te_version()}
+    out.unlink(missing_ok=True)  # one session's curves, recorded one by one as they finish
     gpus = max(1, torch.cuda.device_count())  # two runs at a time, sharing a GPU where there is one
+
+    def curve(item: tuple[int, str]) -> int:
+        name, run_dir, code = _curve(item[1], steps, item[0] % gpus)
+        if code == 0:
+            fp8_tables.record_curves(out, name, read_scalars(run_dir)["train/loss"], about)
+        return code
+
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = list(pool.map(lambda item: _curve(item[1], steps, item[0] % gpus), enumerate(CURVES)))
-    if any(code != 0 for _, _, code in runs):
+        codes = list(pool.map(curve, enumerate(CURVES)))
+    if any(code != 0 for code in codes):
         return False
-    print(curve_report({name: read_scalars(run_dir)["train/loss"] for name, run_dir, _ in runs}))
+    print(fp8_tables.curves_table(out))
     return True
 
 
-def curve_report(losses: dict[str, dict[int, float]], window: int = 10, tail: int = 20) -> str:
-    """Each curve against the first ("bf16"): a table of `window`-step mean losses with their
-    relative differences, then per curve the mean difference over the last `tail` steps and the
-    mean absolute per-step difference from step 11 on. "bf16 again" (the same seed once more) shows
-    how far two bf16 runs drift apart through non-deterministic kernels alone."""
-    names = list(losses)
-    reference = losses[names[0]]
-    steps = sorted(set.intersection(*(set(curve) for curve in losses.values())))
-    if len(steps) < max(window, tail):
-        raise ValueError(f"the curves share {len(steps)} steps; run at least {max(window, tail)}")
-
-    def mean(curve: dict[int, float], chosen: list[int]) -> float:
-        return sum(curve[step] for step in chosen) / len(chosen)
-
-    marks = sorted({steps[0], *(s for s in steps if s % 50 == 0 and s >= window), steps[-1]})
-    lines = [f"  | steps | {' | '.join(names)} |", "  |" + "---|" * (len(names) + 1)]
-    for mark in marks:
-        chosen = [s for s in steps if mark - window < s <= mark]
-        base = mean(reference, chosen)
-        cells = [f"{base:.4f}"]
-        for name in names[1:]:
-            value = mean(losses[name], chosen)
-            cells.append(f"{value:.4f} ({100 * (value / base - 1):+.2f}%)")
-        lines.append(f"  | {chosen[0]}-{chosen[-1]} | {' | '.join(cells)} |")
-    last, later = steps[-tail:], [s for s in steps if s > 10]
-    for name in names[1:]:
-        end = 100 * (mean(losses[name], last) / mean(reference, last) - 1)
-        per_step = 100 * sum(abs(losses[name][s] / reference[s] - 1) for s in later) / len(later)
-        lines.append(f"  {name}: steps {last[0]}-{last[-1]} {end:+.2f}% from {names[0]}; "
-                     f"mean |per-step difference| from step 11 {per_step:.2f}%")
-    return "\n".join(lines)
+def _te_version() -> str:
+    try:
+        return f"TE {importlib.metadata.version('transformer_engine')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "TE (version unknown)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if "bench" in args.phase:
         ok &= run_bench(args.only, args.out, args.budget)
     if "curves" in args.phase:
-        ok &= run_curves(args.curve_steps)
+        ok &= run_curves(args.curve_steps, args.out.parent / fp8_tables.CURVES_FILE)
     return 0 if ok else 1
 
 

@@ -1,0 +1,135 @@
+"""The README's FP8 tables, rendered from what the tools recorded (`python -m tools.bench --table
+benchmarks/results.jsonl --readme README.md` writes both where the README has their markers):
+
+- `recipes_table`: every setup measured with Transformer Engine, beside the same setup in bf16 and
+  with torchao: the newest run of each precision, tokens/s/GPU and MFU, and each TE run's speed over
+  torchao's tensorwise run of the same setup measured on the same day at the same commit (the only
+  fair ratio: runs of different sessions differ by a few percent where nothing changed).
+- `curves_table`: the loss curves that `python -m tools.te_check --phase curves` records
+  (`benchmarks/fp8_curves.json`), as window means against the first curve's (bf16).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dtrain.plan.measured import run_options
+
+# Flags that choose the precision of a run, and those that say what it puts in FP8 besides the blocks.
+PRECISION_FLAGS = ("--fp8", "--fp8-backend")
+EXTENT_FLAGS = {"--fp8-head": "head", "--fp8-experts": "experts"}
+RECIPE_ORDER = ("bf16", "torchao tensorwise", "torchao rowwise", "te delayed", "te current", "te blockwise", "te mxfp8")
+CURVES_FILE = "fp8_curves.json"
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def recipe(row: dict) -> str:
+    """'bf16', or the FP8 backend and recipe of a benchmark row ('torchao tensorwise', 'te delayed')."""
+    fp8 = _flag(row["args"], "--fp8")
+    return "bf16" if fp8 is None else f"{_flag(row['args'], '--fp8-backend') or 'torchao'} {fp8}"
+
+
+def extent(row: dict) -> str:
+    """What a row's run put in FP8: the blocks' linears, and the head and routed experts where flagged."""
+    return ", ".join(["blocks", *(what for flag, what in EXTENT_FLAGS.items() if flag in row["args"])])
+
+
+def _setup(row: dict) -> tuple:
+    options = run_options(row, ("--mesh", "--run-dir", *PRECISION_FLAGS, *EXTENT_FLAGS))
+    return (row["shape"], row["gpus"], row["device"], row["mesh"], row["seq_len"], row["micro_batch"],
+            row["global_batch"], *options)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def recipes_table(path: Path) -> str:
+    rows = [r for r in _rows(path) if r.get("device", "cpu") != "cpu"]
+    with_te = {_setup(r) for r in rows if recipe(r).startswith("te ")}
+    newest: dict[tuple, dict] = {}  # (setup, extent, recipe) -> the newest row (the file is in time order)
+    for r in rows:
+        if _setup(r) in with_te:
+            newest[(_setup(r), "" if recipe(r) == "bf16" else extent(r), recipe(r))] = r
+    recipes = [name for name in RECIPE_ORDER if any(key[2] == name for key in newest)]
+    recipes += sorted({key[2] for key in newest} - set(recipes))
+    lines = ["| setup | in FP8 | " + " | ".join(recipes) + " |", "|---|---|" + "---|" * len(recipes)]
+    for setup in sorted(with_te, key=lambda s: tuple(map(str, s))):
+        shape, gpus, device, mesh, seq, micro, global_batch, *options = setup
+        label = (f"{shape}, {gpus}x {device.replace('NVIDIA ', '')}, {mesh}, seq {seq}, {micro}/{global_batch}, "
+                 f"{' '.join(options) or '-'}")
+        extents = sorted({key[1] for key in newest if key[0] == setup and key[1]}, key=lambda e: (len(e), e))
+        for what in extents:
+            cells = [_cell(rows, newest, setup, what, name) for name in recipes]
+            lines.append(f"| {label} | {what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(rows: list[dict], newest: dict, setup: tuple, what: str, name: str) -> str:
+    r = newest.get((setup, "" if name == "bf16" else what, name))
+    if r is None:
+        return ""
+    cell = f"{r['tokens_per_sec_per_gpu']:,.0f} ({r['mfu_pct']:.1f}%)"
+    if name.startswith("te "):
+        # torchao's tensorwise run of the same setup and session, the newest such.
+        beside = [t for t in rows if _setup(t) == setup and recipe(t) == "torchao tensorwise" and extent(t) == what
+                  and (t["date"], t["commit"]) == (r["date"], r["commit"])]
+        if beside:
+            cell += f", {r['tokens_per_sec_per_gpu'] / beside[-1]['tokens_per_sec_per_gpu']:.3f}x"
+    return f"{cell}, {r['commit']}"
+
+
+def record_curves(path: Path, name: str, losses: dict[int, float], about: dict) -> None:
+    """Adds (or replaces) one named curve in the curves file; `about` says how the curves were run."""
+    record = json.loads(path.read_text()) if path.exists() else {"losses": {}}
+    record.update(about)
+    record["losses"][name] = {str(step): loss for step, loss in sorted(losses.items())}
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def curves_table(path: Path, window: int = 10, tail: int = 20) -> str:
+    """The curves file as a markdown table (see `curve_report`), with how and where it was run."""
+    if not path.exists():
+        return f"(no curves recorded: `python -m tools.te_check --phase curves` writes {path})"
+    record = json.loads(path.read_text())
+    order = record.get("curves", [])  # the run order: bf16 first, whichever finished first
+    names = sorted(record["losses"], key=lambda name: order.index(name) if name in order else len(order))
+    losses = {name: {int(step): loss for step, loss in record["losses"][name].items()} for name in names}
+    about = ", ".join(str(record[key]) for key in ("date", "commit", "device", "torch", "te") if key in record)
+    return f"{curve_report(losses, window, tail)}\n\n`{' '.join(record.get('args', []))}`; {about}."
+
+
+def curve_report(losses: dict[str, dict[int, float]], window: int = 10, tail: int = 20) -> str:
+    """Each curve against the first ("bf16"): a markdown table of `window`-step mean losses, the
+    first curve's in full and the others' as relative differences, then per curve the mean
+    difference over the last `tail` steps and the mean absolute per-step difference from step 11
+    on. "bf16 again" (the same seed once more) shows how far two bf16 runs drift apart through
+    non-deterministic kernels alone."""
+    names = list(losses)
+    reference = losses[names[0]]
+    steps = sorted(set.intersection(*(set(curve) for curve in losses.values())))
+    if len(steps) < max(window, tail):
+        raise ValueError(f"the curves share {len(steps)} steps; run at least {max(window, tail)}")
+
+    def mean(curve: dict[int, float], chosen: list[int]) -> float:
+        return sum(curve[step] for step in chosen) / len(chosen)
+
+    def difference(name: str, chosen: list[int]) -> str:
+        return f"{100 * (mean(losses[name], chosen) / mean(reference, chosen) - 1):+.2f}%"
+
+    marks = sorted({steps[0], *(s for s in steps if s % 50 == 0 and s >= window), steps[-1]})
+    lines = [f"| steps | {' | '.join(names)} |", "|---|" + "---|" * len(names)]
+    for mark in marks:
+        chosen = [s for s in steps if mark - window < s <= mark]
+        cells = [f"{mean(reference, chosen):.4f}", *(difference(name, chosen) for name in names[1:])]
+        lines.append(f"| {chosen[0]}-{chosen[-1]} | {' | '.join(cells)} |")
+    last, later = steps[-tail:], [s for s in steps if s > 10]
+    lines.append(f"| steps {last[0]}-{last[-1]} | | " + " | ".join(difference(name, last) for name in names[1:]) + " |")
+    per_step = [100 * sum(abs(losses[name][s] / reference[s] - 1) for s in later) / len(later) for name in names[1:]]
+    lines.append(f"| mean absolute per-step difference, steps {later[0]}-{later[-1]} | | "
+                 + " | ".join(f"{value:.2f}%" for value in per_step) + " |")
+    return "\n".join(lines)
