@@ -54,6 +54,11 @@ def test_the_curve_report_compares_window_means_with_the_first_curve():
     assert "| 1-1 | " in report and "| 41-50 | " in report and "| 51-60 | " in report
     assert f"| 51-60 | {sum(bf16[s] for s in range(51, 61)) / 10:.4f} | +2.00% |" in report
     assert "| steps 41-60 | | +2.00% |" in report and "steps 11-60 | | 2.00% |" in report
+    assert "against the mean" not in report
+    # A repeated reference run: every curve against the references' mean too.
+    report = fp8_tables.curve_report({"bf16": bf16, "bf16 again": {s: v * 1.04 for s, v in bf16.items()},
+                                      "fp8": higher})
+    assert "| steps 41-60 against the mean of bf16 and bf16 again | -1.96% | +1.96% | +0.00% |" in report
     with pytest.raises(ValueError, match="share 5 steps"):
         fp8_tables.curve_report({"bf16": {s: 1.0 for s in range(5)}, "fp8": {s: 1.0 for s in range(5)}})
 
