@@ -2,8 +2,9 @@
 `--fp8-backend te`): gate and up, then down, each one grouped GEMM over this rank's experts.
 
 Measured on an H200, it is slower than torch's bf16 grouped GEMM, so it is a flag, off by
-default: at Mixtral-small's experts (8 of 2048 -> 8192, 2 x 4096 tokens) this op took 10.3-10.9 ms
-forward and backward against 8.5 (TE's own module, which keeps its forward casts, 8.1), and
+default: at Mixtral-small's experts (8 of 2048 -> 8192, 2 x 4096 tokens) this op took 11.4 ms
+forward and backward against 8.8 (TE's own module, which keeps its forward casts, 8.1;
+`python -m tools.bench_experts`), and
 training ran at 55-77% of the bf16 experts' tokens/s, the host stopping at each block to read the
 row counts (the README has the figures).
 
@@ -52,10 +53,14 @@ class GroupedKernels:
 
     def _quantizers(self, scale: Tensor, amax: Tensor, first: int, experts: int) -> list[list[tuple]]:
         """[matmul][expert] -> (input, weight, output gradient) quantizers of this rank's experts;
-        `scale` and `amax` are [MATMULS x all experts, 3] blocks."""
-        total = scale.shape[0] // MATMULS
-        return [[self.dense.quantizers(scale[m * total + first + e], amax[m * total + first + e])
-                 for e in range(experts)] for m in range(MATMULS)]
+        `scale` and `amax` are [MATMULS x all experts, 3] blocks. Looked up once per block (its
+        3 x experts slots would otherwise be looked up one by one at every call)."""
+        key = ("experts", scale.data_ptr(), amax.data_ptr(), first, experts)
+        if key not in self.dense.made:
+            total = scale.shape[0] // MATMULS
+            self.dense.made[key] = [[self.dense.quantizers(scale[m * total + first + e], amax[m * total + first + e])
+                                     for e in range(experts)] for m in range(MATMULS)]
+        return self.dense.made[key]
 
     def _quantize_rows(self, rows: Tensor, splits: list[int], quantizers: list, rowwise: bool, columnwise: bool):
         """Each expert's block of rows with its quantizer (one call)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -98,7 +99,9 @@ class TEKernels:
             gemm: getattr(getattr(self.recipe, f"fp8_gemm_{gemm}", None), "use_split_accumulator", default)
             for gemm, default in (("fprop", False), ("dgrad", True), ("wgrad", True))}
         self.shared = None
-        self.made: dict[tuple[int, int], tuple] = {}  # delayed scaling's quantizers, by their slots
+        # Delayed scaling's quantizers, by the storage of their slots (and, for the experts op,
+        # the rank's block of experts); they keep the slots alive, so `forget` drops them with a run.
+        self.made: dict[tuple, Any] = {}
         # TE's per-tensor cast makes the column-wise (transposed) copy only beside the row-wise one.
         self.rowwise_with_columnwise = recipe in ("delayed", "current")
         if recipe == "delayed":
@@ -137,6 +140,11 @@ class TEKernels:
             self.made[key] = self._configure(tuple(self.delayed_quantizer(scale[i], amax[i:i + 1], dtype)
                                                    for i, dtype in enumerate(self.fp8_dtypes)))
         return self.made[key]
+
+    def forget(self) -> None:
+        """Drops the quantizers made so far, with the state slots they hold; they are made again
+        on first use."""
+        self.made.clear()
 
     def forward(self, x: Tensor, weight: Tensor, scale: Tensor, amax: Tensor) -> Tensor:
         q_input, q_weight, _ = self.quantizers(scale, amax)
@@ -256,6 +264,9 @@ class TELinear:
     def __init__(self, recipe: str, device: torch.device, *, amax_groups: list | None = None,
                  grad_scale: float = 1.0, amax_history_len: int = 1024):
         self.recipe = recipe
+        if recipe == "delayed":
+            # The quantizers of earlier runs in this process (their slots included) are not needed now.
+            kernels(recipe).forget()
         margin = kernels(recipe).recipe.margin if recipe == "delayed" else 0
         self.scaling = (DelayedScaling(history_len=amax_history_len, margin=margin, device=device,
                                        amax_groups=amax_groups, grad_scale=grad_scale)

@@ -123,6 +123,12 @@ def test_delayed_scaling_experts_use_and_record_the_slots_of_their_global_expert
     with torch.no_grad():
         experts(x * 4, counts, w_gate, w_up, w_down, first=2)
     assert torch.equal(experts.amax, before)
+    # The rank's quantizers are looked up once per block of slots (training's, and evaluation's).
+    made = te_experts.kernels("delayed").dense.made
+    blocks = sorted(key for key in made if key[0] == "experts")
+    assert len(blocks) == 2 and all(key[3:] == (2, 2) for key in blocks)
+    experts(x, counts, w_gate, w_up, w_down, first=2).backward(grad)
+    assert sorted(key for key in made if key[0] == "experts") == blocks
 
 
 # ---- training ---------------------------------------------------------------------------------

@@ -124,6 +124,30 @@ def test_a_forward_calls_each_matmul_slot_once_in_order(te):
         layer.wrap_forward(lambda: layer(layer(x, w)[..., :32], w))()
     layer.wrap_forward(lambda: layer(x, w))()  # the count starts again at each forward
 
+def test_a_new_run_releases_the_quantizers_and_slots_of_the_last_one(te):
+    import gc
+    import weakref
+
+    from parallel.te_linear import kernels
+
+    TELinear, _ = te
+    x, w, _ = _inputs()
+
+    def run_once():
+        backend = TELinear("delayed", torch.device("cpu"))
+        layer = backend.for_layers({"blocks.0": 1})["blocks.0"]
+        layer.wrap_forward(layer)(x, w).float().sum().backward()
+        return weakref.ref(backend.scaling.parts[0].scale), layer.amaxes[0].detach().clone()
+
+    first_slots, first_amax = run_once()
+    gc.collect()
+    assert first_slots() is not None  # cached quantizers hold views of the run's slots
+    second_slots, second_amax = run_once()
+    gc.collect()
+    assert first_slots() is None and second_slots() is not None
+    assert torch.equal(first_amax, second_amax)  # the new run's quantizers write its own slots
+
+
 
 # ---- local shards under tensor parallelism --------------------------------------------------
 
