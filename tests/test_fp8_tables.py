@@ -31,13 +31,15 @@ def test_te_is_compared_with_torchao_of_its_own_session_and_setups_without_te_ar
             _row("torchao", 66_000, "2026-12-02", "bbb"),  # newer torchao, no TE beside it
             _row("te", 70_000, "2026-12-02", "ccc", "--fp8-head"),
             _row("torchao", 64_000, "2026-12-02", "ccc", "--fp8-head"),
-            _row("torchao", 99_000, "2026-12-02", "ccc", mesh="dp=2")]  # a setup never run with TE
+            _row("torchao", 99_000, "2026-12-02", "ccc", mesh="dp=2"),  # a setup never run with TE
+            {**_row("te", 5_000, "2026-12-02", "ddd", "--fp8-experts"), "mfu_pct": None}]
     results = tmp_path / "results.jsonl"
     _write(results, rows)
     table = fp8_tables.recipes_table(results).splitlines()
     assert table[0] == "| setup | in FP8 | bf16 | torchao tensorwise | te delayed |"
     blocks, head = table[2], table[3]
-    assert "| blocks |" in blocks and "| blocks, head |" in head and len(table) == 4
+    assert "| blocks |" in blocks and "| blocks, head |" in head and len(table) == 5
+    assert "| blocks, experts | 50,000 (50.0%), aaa |  | 5,000, ddd |" in table[4]  # no MFU known
     # The newest run of each recipe; TE's ratio against torchao of the same date and commit (63/60),
     # not against the newer torchao run (63/66).
     assert "66,000 (66.0%), bbb" in blocks and "63,000 (63.0%), 1.050x, aaa" in blocks

@@ -73,7 +73,8 @@ def _cell(rows: list[dict], newest: dict, setup: tuple, what: str, name: str) ->
     r = newest.get((setup, "" if name == "bf16" else what, name))
     if r is None:
         return ""
-    cell = f"{r['tokens_per_sec_per_gpu']:,.0f} ({r['mfu_pct']:.1f}%)"
+    mfu = f" ({r['mfu_pct']:.1f}%)" if r.get("mfu_pct") is not None else ""
+    cell = f"{r['tokens_per_sec_per_gpu']:,.0f}{mfu}"
     if name.startswith("te "):
         # torchao's tensorwise run of the same setup and session, the newest such.
         beside = [t for t in rows if _setup(t) == setup and recipe(t) == "torchao tensorwise" and extent(t) == what
