@@ -111,8 +111,9 @@ def test_suite_selects_by_gpu_count_and_name():
     cp_runs = bench_suite.selected(2, ["cp="])
     assert cp_runs and all("cp=" in name for name in cp_runs)
     for group, members in bench_suite.GROUPS.items():
-        assert bench_suite.selected(2, [], group) == [name for name in bench_suite.SUITE if name in members]
         assert set(members) <= set(bench_suite.SUITE), f"{group}: {set(members) - set(bench_suite.SUITE)}"
+        assert bench_suite.selected(2, [], group) == members  # in the group's order
+    assert bench_suite.selected(1, [], "targets") == []  # every target needs two GPUs
     assert bench_suite.selected(2, ["70b"], "tp-overlap") == [
         "llama-70b-4l dp=2", "llama-70b-4l tp=2", "llama-70b-4l tp=2 sp", "llama-70b-4l tp=2 sp unfused"]
 

@@ -6,7 +6,9 @@ their JSON lines to a results file:
 
 `--list` shows the setups. A setup runs when the machine has the GPUs it needs (`--gpus`); with
 `--only`, when its name contains one of the given strings; with `--group`, when it belongs to that
-comparison (`GROUPS`). `--profile DIR` profiles every setup that runs (DIR/<setup>/), and adds
+comparison (`GROUPS`), in the group's order. `--group targets` runs the setups behind the 2-GPU
+targets of BENCHMARKS.md, most needed first, so that a call with `--budget` measures the most
+needed ones it has time for. `--profile DIR` profiles every setup that runs (DIR/<setup>/), and adds
 where its steps' time went to the results (`--group breakdown --profile DIR` for the README's
 breakdown of llama-1b and llama-8b). `--budget` stops starting new setups after that many
 seconds, so a time-limited machine returns what it measured.
@@ -157,6 +159,13 @@ GROUPS: dict[str, list[str]] = {
                    for mesh in ("dp=2", "tp=2", "tp=2 sp", "tp=2 sp unfused")],
     # Where the steps of issue 22's targets go (with --profile): bf16 and the fastest FP8 setup of each.
     "breakdown": ["llama-1b single", "llama-1b single fp8 head", "llama-8b dp=2", "llama-8b dp=2 fp8 head no-reshard"],
+    # The 2-GPU targets: llama-8b dp=2 bf16 (60% MFU) beside tp=2 with SP (95% of it), FP8
+    # (13,000 tok/s/GPU); llama-1b tp=2 with SP (90% of dp=2, never slower than without SP);
+    # DeepSeek-V2-Lite at ep=2 (35% MFU); Transformer Engine at least torchao.
+    "targets": ["llama-8b dp=2", "llama-8b tp=2 sp", "llama-8b dp=2 fp8 head no-reshard", "llama-1b dp=2",
+                "llama-1b tp=2 sp", "llama-1b tp=2", "deepseek-v2-lite dp=2,ep=2", "llama-8b dp=2 fp8",
+                "llama-8b dp=2 te delayed", "mixtral-small dp=2,ep=2 allgather fp8",
+                "mixtral-small dp=2,ep=2 allgather te delayed", "llama-8b tp=2 sp fp8", "llama-8b tp=2 sp te delayed"],
     "loss-chunks": ["llama-1b single", "llama-1b single fp8 head", "llama-8b dp=2", "llama-8b dp=2 fp8 head",
                     *(name for name in SUITE if "loss-chunks" in name or "micro-batch" in name)],
 }
@@ -171,10 +180,9 @@ def command(processes: int, bench_args: list[str]) -> list[str]:
 
 def selected(gpus: int, only: list[str], group: str | None = None) -> list[str]:
     names = []
-    for name, (processes, _) in SUITE.items():
+    for name in SUITE if group is None else GROUPS[group]:
+        processes = SUITE[name][0]
         runs_here = name.startswith("cpu") if gpus == 0 else (not name.startswith("cpu") and processes <= gpus)
-        if group is not None and name not in GROUPS[group]:
-            continue
         if runs_here and (not only or any(part in name for part in only)):
             names.append(name)
     return names
