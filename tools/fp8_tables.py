@@ -12,6 +12,7 @@ benchmarks/results.jsonl --readme README.md` writes both where the README has th
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from dtrain.plan.measured import run_options
@@ -89,7 +90,9 @@ def record_curves(path: Path, name: str, losses: dict[int, float], about: dict) 
     record = json.loads(path.read_text()) if path.exists() else {"losses": {}}
     record.update(about)
     record["losses"][name] = {str(step): loss for step, loss in sorted(losses.items())}
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    partial = path.with_name(path.name + ".partial")  # a run stopped mid-write leaves the last whole file
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(partial, path)
 
 
 def curves_table(path: Path, window: int = 10, tail: int = 20) -> str:
