@@ -108,6 +108,7 @@ def test_a_model_that_fits_nowhere_gets_one_line_naming_what_would(capsys):
     (["--gpus", "8", "--global-batch", "8"], "--model is needed"),
     (["--model", "llama3-8b", "--gpus", "0", "--global-batch", "8"], "must be positive"),
     (["--model", "llama3-8b", "--gpus", "8", "--gpus-per-node", "0", "--global-batch", "8"], "must be positive"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--top", "0"], "--top, "),
     (["--model", "llama-9000", "--gpus", "8", "--global-batch", "8"], "unknown model 'llama-9000'"),
     (["--validate", "/nonexistent.jsonl"], "no such file"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--loss-chunk-tokens", "-1"],

@@ -136,10 +136,10 @@ def run(args: argparse.Namespace) -> str:
     for name in ("model", "gpus", "global_batch"):
         if getattr(args, name) is None:
             raise UserError(f"--{name.replace('_', '-')} is needed (or --validate RESULTS)")
-    if min(args.gpus, args.seq_len, args.global_batch, args.gpus_per_node) < 1 or min(
+    if min(args.gpus, args.seq_len, args.global_batch, args.gpus_per_node, args.top) < 1 or min(
             args.gpu_memory_gb, args.inter_node_gb_s, args.host_memory_gb) <= 0:
-        raise UserError("--gpus, --gpus-per-node, --seq-len, --global-batch, --gpu-memory-gb, --inter-node-gb-s "
-                        "and --host-memory-gb must be positive")
+        raise UserError("--gpus, --gpus-per-node, --seq-len, --global-batch, --top, --gpu-memory-gb, "
+                        "--inter-node-gb-s and --host-memory-gb must be positive")
     check_head(args.fp8, args.fp8_head, args.loss_chunk_tokens)
     check_fp8_recipe(args.fp8, args.fp8_backend)
     target = Target(model=args.model, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
