@@ -26,6 +26,14 @@ BAD_INPUTS = [
     (["--dry-run-rank", "0"], "--dry-run-rank needs --dry-run"),
     (["--loss-chunk-tokens", "-1"], "--loss-chunk-tokens -1 must be >= 0"),
     (["--fp8", "tensorwise", "--fp8-head", "--loss-chunk-tokens", "64"], "--fp8-head runs it in FP8"),
+    # Optimizer numbers that torch would refuse mid-setup with a traceback, or take silently.
+    (["--lr", "nan"], "--lr nan must be a finite number > 0"),
+    (["--lr", "inf"], "--lr inf must be a finite number > 0"),
+    (["--warmup-steps", "-3"], "--warmup-steps -3 must be >= 0"),
+    (["--beta2", "1.5"], "--beta2 1.5 must be a finite number in [0, 1)"),
+    (["--grad-clip", "-1"], "--grad-clip -1.0 must be a finite number >= 0 (0: no clipping)"),
+    (["--min-lr-ratio", "2"], "--min-lr-ratio 2.0 must be a finite number in [0, 1]"),
+    (["--weight-decay", "-0.1"], "--weight-decay -0.1 must be a finite number >= 0"),
 ]
 
 

@@ -4,6 +4,7 @@ before any work is done, and the sharding plan the checked configuration resolve
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import attrs
@@ -59,8 +60,25 @@ def _check_sizes(config: Config) -> None:
     if t.max_skipped_steps < 1 or t.spike_window < 1 or t.skip_spikes < 0 or 0 < t.skip_spikes <= 1:
         raise UserError(f"--max-skipped-steps {t.max_skipped_steps} and --spike-window {t.spike_window} must be >= 1, "
                         f"--skip-spikes {t.skip_spikes} 0 (off) or above 1 (a factor of the median loss)")
-    if config.optim.warmup_steps < 0 or config.optim.lr <= 0:
-        raise UserError("--lr must be > 0 and --warmup-steps >= 0")
+    if config.optim.warmup_steps < 0:
+        raise UserError(f"--warmup-steps {config.optim.warmup_steps} must be >= 0")
+    _check_optimizer(config.optim)
+
+
+def _check_optimizer(o) -> None:
+    """The optimizer's and schedule's numbers, before torch's own checks (or none: a NaN or a
+    negative clipping threshold) would meet them mid-setup."""
+    checks = {"--lr": (o.lr, o.lr > 0, "> 0"),
+              "--min-lr-ratio": (o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+              "--decay-fraction": (o.decay_fraction, 0 <= o.decay_fraction <= 1, "in [0, 1]"),
+              "--weight-decay": (o.weight_decay, o.weight_decay >= 0, ">= 0"),
+              "--beta1": (o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
+              "--beta2": (o.beta2, 0 <= o.beta2 < 1, "in [0, 1)"),
+              "--eps": (o.eps, o.eps > 0, "> 0"),
+              "--grad-clip": (o.grad_clip, o.grad_clip >= 0, ">= 0 (0: no clipping)")}
+    for flag, (value, in_range, wanted) in checks.items():
+        if not (in_range and math.isfinite(value)):  # NaN fails every comparison
+            raise UserError(f"{flag} {value} must be a finite number {wanted}")
 
 
 def _check_model_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
