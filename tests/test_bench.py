@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.launch import run_cli
-from tools import bench
+from tools import bench, bench_tables
 
 
 def test_cpu_run_prints_one_json_line_with_its_profile_and_ceiling(tmp_path):
@@ -37,8 +37,8 @@ def test_cpu_run_prints_one_json_line_with_its_profile_and_ceiling(tmp_path):
     assert json.loads((tmp_path / "profile" / "profile_rank0.json").read_text())["ms"] == profile["ms"]
     path = tmp_path / "results.jsonl"
     path.write_text(lines[0] + "\n")
-    assert f"{row['tokens_per_sec_per_gpu']:,.0f}" in bench.table(path)
-    assert f"{profile['step_ms']:,.1f}" in bench.breakdowns(path)
+    assert f"{row['tokens_per_sec_per_gpu']:,.0f}" in bench_tables.table(path)
+    assert f"{profile['step_ms']:,.1f}" in bench_tables.breakdowns(path)
 
 
 def _pipelined_run(micro_batches: int, step_s: float, schedule: str) -> dict:
@@ -57,7 +57,7 @@ def test_bubble_from_runs_at_m_and_2m_micro_batches(tmp_path):
             _pipelined_run(m, 0.5, "gpipe")]  # no 2m partner: left out
     path = tmp_path / "results.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    lines = bench.bubbles(path).splitlines()
+    lines = bench_tables.bubbles(path).splitlines()
     assert len(lines) == 3
     expected = 1 - m * t / step_time(m)
     ideal = (p - 1) / (m + p - 1)
@@ -83,7 +83,7 @@ def test_readme_gets_the_newest_run_of_each_setup_between_its_markers(tmp_path):
     assert new["args"] != old["args"]
     results = tmp_path / "results.jsonl"
     results.write_text(json.dumps(old) + "\n" + json.dumps(new) + "\n")
-    begin, end = bench.README_MARKERS["table"]
+    begin, end = bench_tables.README_MARKERS["table"]
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{begin}\nstale\n{end}\noutro\n")
     assert bench.main(["--table", str(results), "--readme", str(readme)]) == 0
@@ -122,7 +122,7 @@ def test_every_suite_setup_is_a_valid_command():
     """A typo in a setup would only show on the GPU machine: each one's dtrain flags must load."""
     from dtrain.config import load_config
     from tools import bench_suite
-    from tools.bench import SHAPES
+    from tools.shapes import SHAPES
 
     from tools.bench_attention import SETUPS
 
@@ -168,7 +168,7 @@ def test_readme_gets_the_breakdown_of_the_newest_profiled_run_of_each_setup(tmp_
     results = tmp_path / "results.jsonl"
     results.write_text(json.dumps(profiled) + "\n" + json.dumps(unprofiled) + "\n")
     readme = tmp_path / "README.md"
-    table_markers, breakdown_markers = bench.README_MARKERS["table"], bench.README_MARKERS["breakdown"]
+    table_markers, breakdown_markers = bench_tables.README_MARKERS["table"], bench_tables.README_MARKERS["breakdown"]
     readme.write_text(f"{table_markers[0]}\n{table_markers[1]}\n{breakdown_markers[0]}\nstale\n{breakdown_markers[1]}\n")
     assert bench.main(["--table", str(results), "--readme", str(readme)]) == 0
     section = readme.read_text().partition(breakdown_markers[0])[2]
@@ -191,6 +191,31 @@ def test_a_profile_directory_that_cannot_be_made_is_refused_before_the_run(tmp_p
     with pytest.raises(SystemExit) as stopped:
         bench.main(["--shape", "tiny", "--steps", "4", "--warmup", "1", "--profile", str(taken / "profile")])
     assert stopped.value.code == 2 and f"--profile {taken / 'profile'}" in capsys.readouterr().err
+
+
+def test_a_gpu_shape_on_a_machine_without_gpus_is_refused_before_the_run(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "_has_cuda", lambda: False)
+    monkeypatch.setattr(bench, "run", lambda *args: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--shape", "llama-1b", "--steps", "4", "--warmup", "1"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stopped.value.code == 2 and "--shape llama-1b is measured on GPUs" in err and "--shape tiny" in err
+
+
+@pytest.mark.parametrize("content,message", [(None, "No such file or directory; give the JSON-lines file"),
+                                             ('{"shape": "tiny"}\n{"shape": \n', "results.jsonl:2 is not a whole JSON line")])
+def test_a_missing_or_broken_results_file_is_one_line(tmp_path, capsys, content, message):
+    results = tmp_path / "results.jsonl"
+    if content is not None:
+        results.write_text(content)
+    readme = tmp_path / "README.md"
+    readme.write_text("untouched")
+    for flag in ("--table", "--bubble"):
+        with pytest.raises(SystemExit) as stopped:
+            bench.main([flag, str(results), "--readme", str(readme)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stopped.value.code == 2 and message in err[-1] and "Traceback" not in "\n".join(err)
+    assert readme.read_text() == "untouched"
 
 
 def test_the_experts_benchmark_refuses_a_machine_without_cuda_and_splits_rows_evenly(capsys, monkeypatch):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tools import bench, fp8_tables
+from tools import bench, bench_tables, fp8_tables
 
 BASE = ["--compile"]
 PRECISIONS = {"bf16": [], "torchao": ["--fp8", "tensorwise"], "te": ["--fp8-backend", "te", "--fp8", "delayed"]}
@@ -75,7 +75,7 @@ def test_curves_recorded_as_they_finish_render_in_run_order_into_the_readme(tmp_
     fp8_tables.record_curves(curves, "bf16", bf16, about)
     results = tmp_path / "results.jsonl"
     _write(results, [_row("te", 63_000, "2026-12-01", "aaa")])
-    markers = {kind: bench.README_MARKERS[kind] for kind in ("table", "fp8 recipes", "fp8 curves")}
+    markers = {kind: bench_tables.README_MARKERS[kind] for kind in ("table", "fp8 recipes", "fp8 curves")}
     readme = tmp_path / "README.md"
     readme.write_text("".join(f"{begin}\nstale\n{end}\n" for begin, end in markers.values()))
     assert bench.main(["--table", str(results), "--readme", str(readme)]) == 0

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from dtrain.plan.measured import run_options
+from dtrain.plan.measured import read_rows, run_options
 
 # Flags that choose the precision of a run, and those that say what it puts in FP8 besides the blocks.
 PRECISION_FLAGS = ("--fp8", "--fp8-backend")
@@ -45,12 +45,8 @@ def _setup(row: dict) -> tuple:
             row["global_batch"], *options)
 
 
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
-
-
 def recipes_table(path: Path) -> str:
-    rows = [r for r in _rows(path) if r.get("device", "cpu") != "cpu"]
+    rows = [r for r in read_rows(path) if r.get("device", "cpu") != "cpu"]
     with_te = {_setup(r) for r in rows if recipe(r).startswith("te ")}
     newest: dict[tuple, dict] = {}  # (setup, extent, recipe) -> the newest row (the file is in time order)
     for r in rows:

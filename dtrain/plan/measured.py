@@ -16,6 +16,7 @@ from pathlib import Path
 import attrs
 
 from dtrain.config import Config, load_config
+from models.errors import UserError
 from parallel.mesh import MeshSpec
 
 MEMORY_TOLERANCE = 0.10
@@ -87,14 +88,27 @@ def _setup_key(row: dict) -> tuple:
     return (row["shape"], row["gpus"], row["mesh"], row["micro_batch"], row["global_batch"], *run_options(row))
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The JSON lines of a results file that `python -m tools.bench` wrote (other lines are comments)."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise UserError(f"{path}: {error.strerror}; give the JSON-lines file that python -m tools.bench wrote "
+                        f"(benchmarks/results.jsonl)") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise UserError(f"{path}:{number} is not a whole JSON line ({error.msg}); mend or delete "
+                                f"that line") from None
+    return rows
+
+
 def newest_rows(path: Path) -> list[Row]:
     """The newest GPU row of each setup, in file order of their setups, with its configuration."""
-    newest: dict[tuple, dict] = {}
-    for line in path.read_text().splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            if row.get("device", "cpu") != "cpu":
-                newest[_setup_key(row)] = row
+    newest = {_setup_key(row): row for row in read_rows(path) if row.get("device", "cpu") != "cpu"}
     return [_row(data) for data in newest.values()]
 
 

@@ -1,0 +1,171 @@
+"""The README's benchmark tables, rendered from the JSON lines `tools.bench` writes
+(`python -m tools.bench --table benchmarks/results.jsonl [--readme README.md]`): the newest run of
+each setup, the step breakdowns of profiled runs beside their ceilings, the FP8 recipes side by side
+and their loss curves (tools/fp8_tables.py), and pipeline bubbles measured from pairs of runs
+(`--bubble`). A results file that is missing or holds a broken line is a one-line error
+(`dtrain.plan.measured.read_rows`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dtrain.plan.measured import read_rows, run_options
+from tools import fp8_tables
+from tools.shapes import SHAPES
+
+# Where --readme writes each rendering: between its begin and end markers.
+README_MARKERS = {
+    "table": ("<!-- benchmark table: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
+              "<!-- end of benchmark table -->"),
+    "bubble": ("<!-- bubble table: python -m tools.bench --bubble benchmarks/results.jsonl --readme README.md -->",
+               "<!-- end of bubble table -->"),
+    # Written with the table, where the README has these markers.
+    "breakdown": ("<!-- step breakdown: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
+                  "<!-- end of step breakdown -->"),
+    "fp8 recipes": ("<!-- fp8 recipes: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
+                    "<!-- end of fp8 recipes -->"),
+    "fp8 curves": ("<!-- fp8 curves: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
+                   "<!-- end of fp8 curves -->"),
+}
+
+
+def write_into_readme(readme: Path, kind: str, rendered: str) -> None:
+    begin, end = README_MARKERS[kind]
+    text = readme.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"error: {readme} lacks the markers {begin!r} and {end!r}; add them where the "
+                         f"{kind} goes")
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    readme.write_text(f"{head}{begin}\n{rendered}\n{end}{tail}")
+
+
+def ms_text(seconds: float) -> str:
+    """Milliseconds with a decimal, or three significant digits below 10 ms."""
+    ms = 1e3 * seconds
+    return f"{ms:,.1f}" if ms >= 10 else f"{ms:.3g}"
+
+
+def _options(row: dict, leave_out: tuple[str, ...] = ("--mesh", "--run-dir")) -> list[str]:
+    return run_options(row, leave_out)
+
+
+def _newest(path: Path, keep=lambda row: True) -> list[dict]:
+    """The newest row of each setup among those `keep` takes, in the README's order."""
+    newest: dict[tuple, dict] = {}
+    for r in filter(keep, read_rows(path)):
+        newest[(r["shape"], r["gpus"], r["mesh"], r["micro_batch"], r["global_batch"], *_options(r))] = r
+    order = {shape: i for i, shape in enumerate(SHAPES)}
+    return sorted(newest.values(), key=lambda r: (order.get(r["shape"], len(order)), r["gpus"], r["seq_len"],
+                                                  r["mesh"], r["global_batch"], _options(r)))
+
+
+def table(path: Path) -> str:
+    """The README table from JSON lines written by this tool: the newest run of each setup."""
+    rows = _newest(path)
+    lines = ["| shape | GPUs | mesh | seq | micro/global batch | precision | options | tok/s/GPU | MFU | peak mem/GPU | date, commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        options = " ".join(_options(r)) or "-"
+        mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "-"
+        if _masked(r) and r.get("mfu_document_attention_pct") is not None:
+            # The convention counts a masked run's attention as dense; what it attends says more.
+            mfu += f" ({r['mfu_document_attention_pct']:.1f}% attended)"
+        lines.append(
+            f"| {r['shape']} | {r['gpus']}x {r['device'].replace('NVIDIA ', '')} | {r['mesh']} | {r['seq_len']} | "
+            f"{r['micro_batch']}/{r['global_batch']} | {r['precision']} | {options} | "
+            f"{r['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {r['peak_mem_gb']:.1f} GB | {r['date']}, {r['commit']} |"
+        )
+    return "\n".join(lines)
+
+
+def breakdowns(path: Path) -> str:
+    """Where the steps of the newest profiled run of each setup went (rank 0, ms per step and
+    share of the profiled step), beside the ceiling of the setup."""
+    from tools.profile_breakdown import CATEGORIES
+
+    rows = _newest(path, keep=lambda r: r.get("profile") is not None)
+    if not rows:
+        return "(no profiled runs: `python -m tools.bench --profile DIR` makes one)"
+
+    def cell(ms: float, r: dict) -> str:
+        return f"{ms:,.1f} ({100 * ms / r['profile']['step_ms']:.1f}%)"
+
+    def ceiling_of(r: dict, key: str) -> str:
+        return ms_text(r["ceiling"][key]) if r.get("ceiling") else "-"
+
+    columns = [f"{r['shape']}, {r['gpus']}x {r['device'].replace('NVIDIA ', '')}, {r['mesh']}, "
+               f"{' '.join(_options(r)) or '-'}" for r in rows]
+    lines = ["| ms per step (share of the profiled step) | " + " | ".join(columns) + " |",
+             "|---|" + "---|" * len(rows)]
+
+    def add(label: str, cells) -> None:
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    for category, label in CATEGORIES.items():
+        cells = [cell(r["profile"]["ms"][category], r) for r in rows]
+        if category in ("gemm", "attention"):
+            cells = [f"{c}; ceiling {ceiling_of(r, f'{category}_s')}" for c, r in zip(cells, rows)]
+        elif category == "communication":
+            label = "communication with no other kernel beside it (all of it)"
+            cells = [f"{c} ({r['profile']['busy_ms'][category]:,.1f})" for c, r in zip(cells, rows)]
+        add(label, cells)
+    add("idle (no kernel running)", [cell(r["profile"]["idle_ms"], r) for r in rows])
+    add("profiled step", [f"{r['profile']['step_ms']:,.1f}" for r in rows])
+    add("median step, MFU", [f"{1e3 * r['median_step_s']:,.1f}, {r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None
+                             else f"{1e3 * r['median_step_s']:,.1f}" for r in rows])
+    add("ceiling: step, MFU", [f"{ceiling_of(r, 'seconds')}, {r['ceiling']['mfu_pct']:.1f}%" if r.get("ceiling")
+                               else "-" for r in rows])
+    add("date, commit", [f"{r['date']}, {r['commit']}" for r in rows])
+    return "\n".join(lines)
+
+
+def write_companions(readme: Path, results: Path) -> None:
+    """The tables rendered from the same results (and the FP8 curves file beside them), each where
+    the README has its markers."""
+    companions = {"breakdown": lambda: breakdowns(results), "fp8 recipes": lambda: fp8_tables.recipes_table(results),
+                  "fp8 curves": lambda: fp8_tables.curves_table(results.parent / fp8_tables.CURVES_FILE)}
+    for kind, render in companions.items():
+        if README_MARKERS[kind][0] in readme.read_text():
+            write_into_readme(readme, kind, render())
+
+
+def _masked(row: dict) -> bool:
+    """Whether the run attends within documents or a sliding window rather than whole causal rows."""
+    return "--document-mask" in row["args"] or any("sliding_window" in arg for arg in row["args"])
+
+
+def _flag_value(args: list[str], flag: str, default: str) -> str:
+    return args[args.index(flag) + 1] if flag in args else default
+
+
+def bubbles(path: Path) -> str:
+    """The measured and ideal pipeline bubble of every pair of runs that differ only in the
+    number of micro-batches per step (m and 2m)."""
+    from parallel import pipeline
+    from parallel.mesh import MeshSpec
+
+    rows = read_rows(path)
+    runs = {}
+    for r in rows:
+        spec = MeshSpec.parse(r["mesh"] if r["mesh"] != "single" else "", r["gpus"])
+        if spec.pp == 1:
+            continue
+        args = _options(r, leave_out=("--mesh", "--run-dir", "--global-batch"))
+        m = r["global_batch"] // (r["micro_batch"] * spec.dp_size)
+        runs[(r["shape"], r["mesh"], r["micro_batch"], " ".join(args), m)] = (r, spec)
+    lines = ["| shape | mesh | schedule | stages/rank | micro-batches m | step time (m) | step time (2m) | "
+             "measured bubble | ideal bubble |", "|---|---|---|---|---|---|---|---|---|"]
+    for (shape, mesh, _, args, m), (r, spec) in sorted(runs.items()):
+        double = runs.get((shape, mesh, r["micro_batch"], args, 2 * m))
+        if double is None:
+            continue
+        t_m, t_2m = r["median_step_s"], double[0]["median_step_s"]
+        per_micro_batch = (t_2m - t_m) / m
+        measured = 1 - m * per_micro_batch / t_m
+        schedule = _flag_value(r["args"], "--pp-schedule", "1f1b")
+        v = int(_flag_value(r["args"], "--pp-virtual-stages", "1"))
+        ideal = pipeline.ideal_bubble(spec.pp, v, m)
+        lines.append(f"| {shape} | {mesh} | {schedule} | {v} | {m} | {t_m:.3f} s | {t_2m:.3f} s | "
+                     f"{100 * measured:.1f}% | {100 * ideal:.1f}% |")
+    return "\n".join(lines)
