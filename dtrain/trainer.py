@@ -20,6 +20,7 @@ from dtrain.distributed import Runtime
 from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.plan.validate import build_plan, validate
+from dtrain.rank_inputs import RankInputs
 from dtrain.resilience.faults import FaultInjector
 from dtrain.resilience.heartbeat import Heartbeat
 from dtrain.resilience.step_guard import Decision, StepGuard
@@ -28,8 +29,8 @@ from dtrain.resilience.stragglers import Stragglers
 from dtrain.resilience.watchdog import Watchdog
 from dtrain.step_stats import StepStats, ep_line
 from dtrain.training_model import build_training_model
-from models import families, flops, llama, masking, moe, mtp, spec
-from parallel import context_parallel, precision
+from models import families, flops, moe, mtp, spec
+from parallel import precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
 from parallel.expert_parallel import choose_dispatch
 from parallel.gradients import clip_grads_
@@ -115,17 +116,10 @@ class Trainer:
         self.tp_group = self.mesh.get_group("tp") if self.mesh_spec.tp > 1 else None
         router_groups = [g for g in self.loss_groups if g is not self.pp_group]
         router_groups += [self.tp_group] if self.tp_group is not None else []
-        self.cp_rank = self.mesh.get_local_rank("cp")
-        positions = (context_parallel.load_balance_indices(d.seq_len, self.mesh_spec.cp, self.cp_rank)
-                     if self.mesh_spec.cp > 1 else torch.arange(d.seq_len))
-        self.rope_aux = families.make_aux(self.model_cfg, positions.to(runtime.device), loss_scale=self.loss_scale)
-        # A sliding window without documents: one mask for every micro-batch, built once.
-        if not d.document_mask:
-            self.rope_aux = attrs.evolve(self.rope_aux, mask=llama.window_mask(self.model_cfg, self.ctx,
-                                                                              d.micro_batch, d.seq_len))
-        self.stats = StepStats(self.model_cfg, self.rope_aux, self.model_parts, router_groups, self.loss_groups,
+        self.inputs = RankInputs(d, self.model_cfg, self.mesh_spec, self.mesh.get_local_rank("cp"), self.ctx,
+                                 runtime.device, self.loss_scale)
+        self.stats = StepStats(self.model_cfg, self.inputs.base, self.model_parts, router_groups, self.loss_groups,
                                runtime.device)
-        self.mtp_depth = flops.mtp_depth(self.model_cfg)
         self.peak_flops = peak_flops(runtime.device)
         self._last_read_back = 0.0
         # On the CPU the launch does the work, so there is nothing to overlap: read back at once.
@@ -153,10 +147,10 @@ class Trainer:
         device = self.runtime.device
         # Every micro-batch's labels, positions and attention mask first, on the host while the
         # device still runs the previous step, rather than between the forwards.
-        auxes = [self._micro_aux(batch) for batch in micro_batches]
+        auxes = [self.inputs.aux(batch) for batch in micro_batches]
         if self.pipeline is not None:
-            inputs = self._local(torch.cat([inputs for inputs, _ in micro_batches]))
-            targets = self._pipeline_targets(torch.cat([labels for _, labels in micro_batches]))
+            inputs = self.inputs.tokens(torch.cat([inputs for inputs, _ in micro_batches]))
+            targets = self.inputs.pipeline_targets(torch.cat([labels for _, labels in micro_batches]))
             self.beat.phase("forward")  # the schedule's forwards and backwards
             with self.ctx.kernel_scope():
                 return self.pipeline.step(inputs, targets, auxes, loss_factor)
@@ -166,53 +160,13 @@ class Trainer:
                 if self.config.parallel.fsdp_reduce_once:
                     set_micro_batch_sync(self.model, last=index == len(micro_batches) - 1)
                 self.beat.phase("forward")
-                micro_loss = self.model(self._local(batch[0]), aux)
+                micro_loss = self.model(self.inputs.tokens(batch[0]), aux)
                 if loss_factor != 1.0:
                     micro_loss = micro_loss * loss_factor
                 self.beat.phase("backward")
                 (micro_loss * self.loss_scale).backward()
                 loss_sum += micro_loss.detach().float()
         return loss_sum
-
-    def _local(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens of full-sequence rows: its load-balanced chunks when cp > 1."""
-        if self.runtime.device.type == "cuda" and tokens.device.type == "cpu":
-            tokens = tokens.pin_memory()  # a pageable copy would wait for the queued kernels
-        tokens = tokens.to(self.runtime.device, non_blocking=True)
-        if self.mesh_spec.cp == 1:
-            return tokens
-        return context_parallel.shard_sequence(tokens, self.mesh_spec.cp, self.cp_rank)
-
-    def _pipeline_targets(self, labels: torch.Tensor) -> torch.Tensor:
-        """This rank's part of full-sequence labels, packed with the tokens ahead for multi-token
-        prediction (made from the whole sequences: under cp they cross this rank's chunks)."""
-        return self._local(mtp.packed_targets(labels, self.mtp_depth) if self.mtp_depth else labels)
-
-    def _micro_aux(self, batch) -> llama.Aux:
-        """The micro-batch's labels (and tokens ahead, for multi-token prediction), and its
-        per-document positions and attention mask when asked for (this rank's chunks of the
-        positions under cp; the mask's forms for its attention)."""
-        d = self.config.data
-        changes = {"labels": self._local(batch[1])}
-        if self.mtp_depth:
-            changes["mtp_targets"] = self._local(mtp.future_targets(batch[1], self.mtp_depth))
-        if d.reset_position_ids:
-            changes["rope"] = families.rope(self.model_cfg, self._local(batch.position_ids))
-        if d.document_mask:
-            changes["mask"] = self.ctx.attention_mask(batch.document_ids, self.model_cfg.sliding_window)
-        return attrs.evolve(self.rope_aux, **changes)
-
-    def _attended_pairs(self, micro_batches) -> int:
-        """Query-key pairs that attention needs over this rank's rows of a step (the sum over
-        documents of their causal, windowed attention), for the document-attention MFU."""
-        d, window = self.config.data, self.model_cfg.sliding_window
-        if not d.document_mask and window is None:
-            return len(micro_batches) * d.micro_batch * d.seq_len * (d.seq_len + 1) // 2
-        total = 0
-        for batch in micro_batches:
-            document_ids = batch.document_ids if d.document_mask else torch.zeros_like(batch[0])
-            total += masking.attended_pairs(masking.first_keys(document_ids, window))
-        return total
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -229,12 +183,12 @@ class Trainer:
                 per_step = len(batches) // num_steps
                 for first in range(0, len(batches), per_step):
                     group = batches[first:first + per_step]
-                    loss_sum += self.pipeline.evaluate(self._local(torch.cat([b[0] for b in group])),
-                                                       self._pipeline_targets(torch.cat([b[1] for b in group])),
-                                                       [self._micro_aux(b) for b in group])
+                    loss_sum += self.pipeline.evaluate(self.inputs.tokens(torch.cat([b[0] for b in group])),
+                                                       self.inputs.pipeline_targets(torch.cat([b[1] for b in group])),
+                                                       [self.inputs.aux(b) for b in group])
             else:
                 for batch in batches:
-                    loss_sum += self.model(self._local(batch[0]), self._micro_aux(batch)).float()
+                    loss_sum += self.model(self.inputs.tokens(batch[0]), self.inputs.aux(batch)).float()
         for group in self.loss_groups:
             dist.all_reduce(loss_sum, group=group)
         for stats in (self.stats.router_stats, self.stats.mtp_stats):
@@ -263,7 +217,7 @@ class Trainer:
             self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size,
             first_sample=self.consumed_samples,
         )
-        attended_pairs = self._attended_pairs(micro_batches)
+        attended_pairs = self.inputs.attended_pairs(micro_batches)
         self.stragglers.arm(self.step + 1)
         loss_sum = self.forward_backward(micro_batches, self.faults.loss_factor(self.step + 1))
         compute_spans = self.stragglers.take()
