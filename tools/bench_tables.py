@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtrain.plan.measured import read_rows, run_options
+from dtrain.plan.measured import flag_value, read_rows, run_options
 from tools import fp8_tables
 from tools.shapes import SHAPES
 
@@ -135,10 +135,6 @@ def _masked(row: dict) -> bool:
     return "--document-mask" in row["args"] or any("sliding_window" in arg for arg in row["args"])
 
 
-def _flag_value(args: list[str], flag: str, default: str) -> str:
-    return args[args.index(flag) + 1] if flag in args else default
-
-
 def bubbles(path: Path) -> str:
     """The measured and ideal pipeline bubble of every pair of runs that differ only in the
     number of micro-batches per step (m and 2m)."""
@@ -163,8 +159,8 @@ def bubbles(path: Path) -> str:
         t_m, t_2m = r["median_step_s"], double[0]["median_step_s"]
         per_micro_batch = (t_2m - t_m) / m
         measured = 1 - m * per_micro_batch / t_m
-        schedule = _flag_value(r["args"], "--pp-schedule", "1f1b")
-        v = int(_flag_value(r["args"], "--pp-virtual-stages", "1"))
+        schedule = flag_value(r["args"], "--pp-schedule", "1f1b")
+        v = int(flag_value(r["args"], "--pp-virtual-stages", "1"))
         ideal = pipeline.ideal_bubble(spec.pp, v, m)
         lines.append(f"| {shape} | {mesh} | {schedule} | {v} | {m} | {t_m:.3f} s | {t_2m:.3f} s | "
                      f"{100 * measured:.1f}% | {100 * ideal:.1f}% |")

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from dtrain.plan.measured import read_rows, run_options
+from dtrain.plan.measured import flag_value, read_rows, run_options
 
 # Flags that choose the precision of a run, and those that say what it puts in FP8 besides the blocks.
 PRECISION_FLAGS = ("--fp8", "--fp8-backend")
@@ -24,14 +24,10 @@ RECIPE_ORDER = ("bf16", "torchao tensorwise", "torchao rowwise", "te delayed", "
 CURVES_FILE = "fp8_curves.json"
 
 
-def _flag(args: list[str], flag: str) -> str | None:
-    return args[args.index(flag) + 1] if flag in args else None
-
-
 def recipe(row: dict) -> str:
     """'bf16', or the FP8 backend and recipe of a benchmark row ('torchao tensorwise', 'te delayed')."""
-    fp8 = _flag(row["args"], "--fp8")
-    return "bf16" if fp8 is None else f"{_flag(row['args'], '--fp8-backend') or 'torchao'} {fp8}"
+    fp8 = flag_value(row["args"], "--fp8")
+    return "bf16" if fp8 is None else f"{flag_value(row['args'], '--fp8-backend', 'torchao')} {fp8}"
 
 
 def extent(row: dict) -> str:

@@ -84,6 +84,11 @@ def run_options(row: dict, leave_out: tuple[str, ...] = ("--mesh", "--run-dir"))
     return [part for flag in sorted(flags) if flag[0] not in leave_out for part in flag]
 
 
+def flag_value(args: list[str], flag: str, default: str | None = None) -> str | None:
+    """The value a benchmark row's dtrain arguments give `flag`, or `default`."""
+    return args[args.index(flag) + 1] if flag in args else default
+
+
 def _setup_key(row: dict) -> tuple:
     return (row["shape"], row["gpus"], row["mesh"], row["micro_batch"], row["global_batch"], *run_options(row))
 
