@@ -231,3 +231,18 @@ def test_the_experts_benchmark_refuses_a_machine_without_cuda_and_splits_rows_ev
         dim, ffn, rows, counts = bench_experts._rows_and_counts(shape)
         assert (dim, ffn, rows) == (cfg.dim, cfg.expert_ffn_dim, bench_experts.TOKENS * cfg.top_k)
         assert counts.sum() == rows and counts.numel() == cfg.num_experts and len(set(counts.tolist())) == 1
+
+
+def test_every_attention_setup_runs_forward_and_backward_on_cpu():
+    """The attention benchmark's code path for each setup (its parameters, RoPE, MLA or GQA, the
+    backward) on SDPA's math kernel: what a GPU call would otherwise be the first to run."""
+    import torch
+
+    from tools import bench_attention
+
+    for name in bench_attention.SETUPS:
+        row = bench_attention.run_setup(name, batch=1, seq_len=32, iterations=1, compile_=False,
+                                        device=torch.device("cpu"))
+        assert row["setup"] == name and row["device"] == "cpu" and row["ms_fwd_bwd"] > 0
+        assert row["tokens_per_sec"] > 0 and row["model_tflops"] > 0
+        assert row["value_path"] == (None if name.startswith("gqa") else "math kernel (CPU)"), name

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import time
 
 import attrs
 import torch
@@ -66,10 +67,14 @@ def _attention_params(cfg) -> dict[str, spec.ParamSpec]:
     return mla.attention_params(cfg, std, out_std) if isinstance(cfg, DeepSeekConfig) else llama.attention_params(cfg, std, out_std)
 
 
-def run_setup(name: str, batch: int, seq_len: int, iterations: int, compile_: bool) -> dict:
+def run_setup(name: str, batch: int, seq_len: int, iterations: int, compile_: bool,
+              device: torch.device = torch.device("cuda")) -> dict:
+    """One setup's row. On a CPU `device` (a smoke test of the code path, not a measurement) in
+    fp32 on SDPA's math kernel, timed by the wall clock."""
     preset, changes, pad = SETUPS[name]
     cfg = attrs.evolve(get_model_config(preset), **changes)
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
     specs = _attention_params(cfg)
     params = {path: spec.init_value(s, 0, path, device, dtype).requires_grad_() for path, s in spec.flatten(specs)}
     x = torch.randn(batch, seq_len, cfg.dim, device=device, dtype=dtype, requires_grad=True)
@@ -95,20 +100,30 @@ def run_setup(name: str, batch: int, seq_len: int, iterations: int, compile_: bo
             t.grad = None
         step(params, x).backward(grad)
 
-    with sdpa_kernel(CUDA_ATTENTION_PRIORITY, set_priority=True):
-        ms = cuda_ms_per_call(once, iterations)
+    if on_gpu:
+        with sdpa_kernel(CUDA_ATTENTION_PRIORITY, set_priority=True):
+            ms = cuda_ms_per_call(once, iterations)
+    else:
+        once()
+        started = time.perf_counter()
+        for _ in range(iterations):
+            once()
+        ms = (time.perf_counter() - started) * 1e3 / iterations
     tokens = batch * seq_len
     matmul = sum(math.prod(s.shape) for s in specs.values() if len(s.shape) >= 2)
     model_flops = tokens * (6.0 * matmul + 6.0 * seq_len * width)
     value_path = None
-    if isinstance(cfg, DeepSeekConfig):
+    if isinstance(cfg, DeepSeekConfig) and on_gpu:
         native = cudnn_takes_head_dims(torch.cuda.current_device(), dtype, cfg.qk_head_dim, cfg.v_head_dim, True)
         value_path = "padded" if pad or not native else "cuDNN as they are"
+    elif isinstance(cfg, DeepSeekConfig):
+        value_path = "math kernel (CPU)"
     return {
         "kind": "attention", "setup": name, "preset": preset, "heads": cfg.num_heads, "batch": batch,
         "seq_len": seq_len, "compile": compile_, "ms_fwd_bwd": round(ms, 3),
         "tokens_per_sec": round(tokens / ms * 1e3), "model_tflops": round(model_flops / ms / 1e9, 1),
-        "value_path": value_path, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+        "value_path": value_path, "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "date": datetime.date.today().isoformat(),
     }
 
