@@ -4,6 +4,7 @@ and loss; HF -> dtrain checkpoint -> HF is bit-exact; --init-from-hf trains from
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import attrs
@@ -173,6 +174,21 @@ def test_broken_hf_directories_are_clear_errors(tmp_path):
     (tmp_path / "fewer" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(UserError, match=r"lacks model.layers.2.input_layernorm.weight \(9 missing"):
         hf.HFCheckpoint(tmp_path / "fewer")
+    # A truncated download, of the one file or of a shard; an index that is not one.
+    make_hf_model(tmp_path / "cut")
+    single = tmp_path / "cut" / hf.SINGLE_FILE
+    os.truncate(single, single.stat().st_size - 100)
+    with pytest.raises(UserError, match=r"model\.safetensors is not a whole safetensors file \(.*\); re-download"):
+        hf.HFCheckpoint(tmp_path / "cut")
+    make_hf_model(tmp_path / "cut shard", max_shard_size="20KB")
+    shard = tmp_path / "cut shard" / sorted(set(json.loads((tmp_path / "cut shard" / hf.INDEX_FILE).read_text())
+                                                ["weight_map"].values()))[0]
+    os.truncate(shard, 1000)
+    with pytest.raises(UserError, match=rf"{shard.name} is not a whole safetensors file"):
+        hf_convert.load_hf_params(tmp_path / "cut shard")
+    (tmp_path / "cut shard" / hf.INDEX_FILE).write_text('{"weight_map": ')
+    with pytest.raises(UserError, match="model.safetensors.index.json is not a safetensors index"):
+        hf.HFCheckpoint(tmp_path / "cut shard")
 
 
 # ---- Mixtral -------------------------------------------------------------------------------------

@@ -129,25 +129,25 @@ class HFCheckpoint:
 
     def _hf_files(self) -> dict[str, Path]:
         index, single = self.path / INDEX_FILE, self.path / SINGLE_FILE
-        from safetensors import safe_open
-
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise UserError(f"{index} is not a safetensors index (no readable weight_map: {error}); "
+                                f"re-download or re-save the checkpoint") from None
             for file in sorted(set(weight_map.values())):
                 if not (self.path / file).is_file():
                     raise UserError(f"{self.path}: shard {file} named in {INDEX_FILE} is missing")
             return {name: self.path / file for name, file in weight_map.items()}
         if single.is_file():
-            with safe_open(single, "pt") as f:
+            with _open_safetensors(single) as f:
                 return {name: single for name in f.keys()}
         raise UserError(f"{self.path}: neither {SINGLE_FILE} nor {INDEX_FILE}; pass a directory saved "
                         f"with safetensors (save_pretrained(..., safe_serialization=True))")
 
     def _read(self, piece: Piece, shape: tuple[int, ...]) -> torch.Tensor:
-        from safetensors import safe_open
-
         file = self.files[piece.hf_name]
-        with safe_open(file, "pt") as f:
+        with _open_safetensors(file) as f:
             view = f.get_slice(piece.hf_name)
             expected = piece.hf_shape(shape)
             if tuple(view.get_shape()) != expected:
@@ -167,6 +167,18 @@ class HFCheckpoint:
     def load_all(self) -> dict[str, torch.Tensor]:
         """Every parameter, by dtrain name, in the checkpoint's dtype."""
         return {name: self.tensor(name) for name in self.shapes}
+
+
+def _open_safetensors(file: Path):
+    """The file opened by safetensors, which checks its header and that the data covers it; a
+    truncated or damaged file is a one-line error that names it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, "pt")
+    except (SafetensorError, OSError) as error:
+        raise UserError(f"{file} is not a whole safetensors file ({error}); re-download or re-save "
+                        f"it") from None
 
 
 def save_hf(params: dict[str, torch.Tensor], cfg: LlamaConfig | MoEConfig, out_dir: str | Path, dtype: torch.dtype,
