@@ -365,3 +365,17 @@ def test_init_from_hf_trains_mixtral_from_the_hf_loss(tmp_path):
     run = train_scalars(tmp_path / "run", ["--model", "tiny-moe", "--model-overrides", "bias_update_rate=0.001",
                                            "--steps", "1", "--init-from-hf", str(source)])
     assert abs(run["train/loss"][0] - expected) <= 1e-5 * expected, (run["train/loss"], expected)
+
+
+def test_export_from_no_checkpoint_or_into_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "empty run").mkdir()
+    (tmp_path / "a file").write_text("")
+    cases = [([str(tmp_path / "empty run"), str(tmp_path / "out")], "is neither a dtrain checkpoint"),
+             ([str(tmp_path / "nowhere"), str(tmp_path / "out")], "is neither a dtrain checkpoint"),
+             ([str(tmp_path / "empty run"), str(tmp_path / "a file")], "a file is a file; pass a directory")]
+    for args, message in cases:
+        assert hf_convert.main(["export", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("hf_convert: error: ") and "\n" not in err and message in err, err
+        assert "--resume" not in err  # dtrain.run's flag, not this tool's
+    assert not (tmp_path / "out").exists()

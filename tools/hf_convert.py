@@ -83,7 +83,13 @@ def _model_config(shape: dict[str, Any]) -> LlamaConfig | MoEConfig | DeepSeekCo
 
 
 def _find_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], LlamaConfig | MoEConfig]:
-    found = ckpt.resolve_resume(str(path), Path(path))
+    try:
+        found = ckpt.resolve_resume(str(path), Path(path))
+    except UserError:
+        found = None
+    if found is None:
+        raise UserError(f"{path} is neither a dtrain checkpoint (a step_NNNNNN directory with a {ckpt.COMPLETE} "
+                        f"file) nor a run directory that holds one; pass one of those")
     meta = ckpt.read_meta(found)
     return found, meta, _model_config(meta["model"])
 
@@ -111,6 +117,8 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: torch.dtype | None =
               max_shard_bytes: int = 5 * 2**30) -> Path:
     """Writes a dtrain checkpoint as an HF checkpoint; by default in the dtype it was imported
     from (fp32 for a model trained from scratch)."""
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise UserError(f"{out_dir} is a file; pass a directory to write the Hugging Face checkpoint into")
     found, meta, cfg = _find_checkpoint(path)
     hf.config_to_hf(cfg, torch.float32, meta.get("hf_config"))  # a model HF has no equivalent of fails before the read
     params, meta = _load_params(found, cfg)
