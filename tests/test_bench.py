@@ -243,6 +243,6 @@ def test_every_attention_setup_runs_forward_and_backward_on_cpu():
     for name in bench_attention.SETUPS:
         row = bench_attention.run_setup(name, batch=1, seq_len=32, iterations=1, compile_=False,
                                         device=torch.device("cpu"))
-        assert row["setup"] == name and row["device"] == "cpu" and row["ms_fwd_bwd"] > 0
+        assert row["setup"] == name and row["device"] == "cpu" and row["ms_fwd_bwd"] > 0 and row["commit"]
         assert row["tokens_per_sec"] > 0  # (its TFLOP/s, rounded to 0.1, can be 0.0 on a CPU)
         assert row["value_path"] == (None if name.startswith("gqa") else "math kernel (CPU)"), name

@@ -35,12 +35,12 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from models.errors import UserError
 from tools.bench_tables import bubbles, ms_text, table, write_companions, write_into_readme
+from tools.commit import commit_hash
 from tools.shapes import CPU_SHAPES, SHAPES
 
 
@@ -48,17 +48,6 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def commit_hash() -> str:
-    if os.environ.get("DTRAIN_COMMIT"):
-        return os.environ["DTRAIN_COMMIT"]
-    try:
-        root = Path(__file__).resolve().parent.parent
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 PROFILED_STEPS = 3

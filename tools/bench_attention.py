@@ -28,6 +28,7 @@ from models.config import DeepSeekConfig, get_model_config
 from models.context import LocalContext
 from models.layers import attention_block
 from parallel.context import CUDA_ATTENTION_PRIORITY, cudnn_takes_head_dims, fused_causal_attention
+from tools.commit import commit_hash
 
 # name -> (preset, changes to it, values padded on purpose)
 SETUPS = {
@@ -123,7 +124,7 @@ def run_setup(name: str, batch: int, seq_len: int, iterations: int, compile_: bo
         "seq_len": seq_len, "compile": compile_, "ms_fwd_bwd": round(ms, 3),
         "tokens_per_sec": round(tokens / ms * 1e3), "model_tflops": round(model_flops / ms / 1e9, 1),
         "value_path": value_path, "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu", "commit": commit_hash(),
         "date": datetime.date.today().isoformat(),
     }
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from models.config import get_model_config
 from models.context import grouped_swiglu
 from parallel import te_linear
-from tools.bench import commit_hash
+from tools.commit import commit_hash
 from tools.bench_attention import cuda_ms_per_call
 
 SHAPES = ("mixtral-small", "deepseek-v2-lite")

@@ -100,7 +100,7 @@ def run_curves(steps: int, out: Path) -> bool:
     print(f"== curves: {steps} steps of llama-1b on the bundled corpus, recorded in {out}", flush=True)
     import torch
 
-    from tools.bench import commit_hash
+    from tools.commit import commit_hash
 
     about = {"curves": list(CURVES), "args": [*CURVE_ARGS, "--steps", str(steps)], "commit": commit_hash(),
              "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
