@@ -83,13 +83,11 @@ def _model_config(shape: dict[str, Any]) -> LlamaConfig | MoEConfig | DeepSeekCo
 
 
 def _find_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], LlamaConfig | MoEConfig]:
-    try:
-        found = ckpt.resolve_resume(str(path), Path(path))
-    except UserError:
-        found = None
-    if found is None:
+    candidates = ckpt.checkpoints_at(Path(path))[0] if Path(path).is_dir() else []
+    if not candidates:
         raise UserError(f"{path} is neither a dtrain checkpoint (a step_NNNNNN directory with a {ckpt.COMPLETE} "
                         f"file) nor a run directory that holds one; pass one of those")
+    found = candidates[0]
     meta = ckpt.read_meta(found)
     return found, meta, _model_config(meta["model"])
 

@@ -97,14 +97,24 @@ def resume_candidates(value: str, run_dir: Path) -> tuple[list[Path], bool]:
     if not path.is_dir():
         raise UserError(f"--resume {value}: no such directory; pass a checkpoint (step_NNNNNN), a run "
                         f"directory, or --resume alone for the latest checkpoint of --run-dir")
+    candidates, named = checkpoints_at(path)
+    if not candidates:
+        raise UserError(f"--resume {value}: holds no complete checkpoint (a step_NNNNNN directory with a "
+                        f"{COMPLETE} file); pass another directory or leave --resume out")
+    return candidates, named
+
+
+def checkpoints_at(path: Path) -> tuple[list[Path], bool]:
+    """The checkpoints a directory names, newest first, and whether it is one checkpoint (then the
+    only candidate): a step directory, or a run or checkpoints directory holding committed ones
+    (none: [])."""
     if _NAME.match(path.name) or (path / META).exists() or (path / ".metadata").exists():
         return [path], True
     for root in (path / CHECKPOINTS, path):
         found = valid_checkpoints(root)
         if found:
             return [p for _, p in reversed(found)], False
-    raise UserError(f"--resume {value}: holds no complete checkpoint (a step_NNNNNN directory with a "
-                    f"{COMPLETE} file); pass another directory or leave --resume out")
+    return [], False
 
 
 def resolve_resume(value: str, run_dir: Path) -> Path | None:
