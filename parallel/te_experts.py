@@ -1,12 +1,9 @@
 """The routed experts' SwiGLU in Transformer Engine's FP8 grouped GEMMs (`--fp8-experts`, with
 `--fp8-backend te`): gate and up, then down, each one grouped GEMM over this rank's experts.
 
-Measured on an H200, it is slower than torch's bf16 grouped GEMM, so it is a flag, off by
-default: at Mixtral-small's experts (8 of 2048 -> 8192, 2 x 4096 tokens) this op took 11.4 ms
-forward and backward against 8.8 (TE's own module, which keeps its forward casts, 8.1;
-`python -m tools.bench_experts`), and
-training ran at 55-77% of the bf16 experts' tokens/s, the host stopping at each block to read the
-row counts (the README has the figures).
+Measured on an H200 it is slower than torch's bf16 grouped GEMM, so it is a flag, off by default:
+alone (`python -m tools.bench_experts`) and in training, the host stopping at each block to read
+the row counts (benchmarks/experts.jsonl and the README have the figures).
 
 As for the dense matmuls (parallel/te_linear.py), the weights stay dtrain's: the op takes this
 rank's block of experts ([E, out, in] local tensors) and quantizes each expert's weight itself;

@@ -7,7 +7,6 @@ TE and GPUs: tests/test_te_gpu.py."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -124,11 +123,10 @@ def test_a_forward_calls_each_matmul_slot_once_in_order(te):
         layer.wrap_forward(lambda: layer(layer(x, w)[..., :32], w))()
     layer.wrap_forward(lambda: layer(x, w))()  # the count starts again at each forward
 
+
 def test_a_new_run_releases_the_quantizers_and_slots_of_the_last_one(te):
     import gc
     import weakref
-
-    from parallel.te_linear import kernels
 
     TELinear, _ = te
     x, w, _ = _inputs()

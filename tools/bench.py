@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 from models.errors import UserError
-from tools.bench_tables import bubbles, ms_text, table, write_companions, write_into_readme
+from tools.bench_tables import bubbles, companion_tables, ms_text, table, write_into_readme
 from tools.commit import commit_hash
 from tools.shapes import CPU_SHAPES, SHAPES
 
@@ -206,14 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for kind, source, render in (("table", args.table, table), ("bubble", args.bubble, bubbles)):
         if source:
-            try:
+            try:  # every table rendered before the README is touched
                 rendered = render(source)
+                companions = companion_tables(args.readme, source) if args.readme and kind == "table" else {}
             except UserError as error:
                 parser.error(str(error))
             if args.readme:
-                write_into_readme(args.readme, kind, rendered)
-                if kind == "table":
-                    write_companions(args.readme, source)
+                for written, text in {kind: rendered, **companions}.items():
+                    write_into_readme(args.readme, written, text)
             print(rendered)
             return 0
     if args.steps <= args.warmup:

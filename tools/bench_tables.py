@@ -9,23 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtrain.plan.measured import flag_value, read_rows, run_options
+from dtrain.plan.measured import flag_value, read_rows, run_options, setup_key
 from tools import fp8_tables
 from tools.shapes import SHAPES
 
 # Where --readme writes each rendering: between its begin and end markers.
+_TABLE = "python -m tools.bench --table benchmarks/results.jsonl --readme README.md"
 README_MARKERS = {
-    "table": ("<!-- benchmark table: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
-              "<!-- end of benchmark table -->"),
+    "table": (f"<!-- benchmark table: {_TABLE} -->", "<!-- end of benchmark table -->"),
     "bubble": ("<!-- bubble table: python -m tools.bench --bubble benchmarks/results.jsonl --readme README.md -->",
                "<!-- end of bubble table -->"),
     # Written with the table, where the README has these markers.
-    "breakdown": ("<!-- step breakdown: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
-                  "<!-- end of step breakdown -->"),
-    "fp8 recipes": ("<!-- fp8 recipes: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
-                    "<!-- end of fp8 recipes -->"),
-    "fp8 curves": ("<!-- fp8 curves: python -m tools.bench --table benchmarks/results.jsonl --readme README.md -->",
-                   "<!-- end of fp8 curves -->"),
+    **{kind: (f"<!-- {title}: {_TABLE} -->", f"<!-- end of {title} -->")
+       for kind, title in (("breakdown", "step breakdown"), ("fp8 recipes", "fp8 recipes"), ("fp8 curves", "fp8 curves"))},
 }
 
 
@@ -46,18 +42,14 @@ def ms_text(seconds: float) -> str:
     return f"{ms:,.1f}" if ms >= 10 else f"{ms:.3g}"
 
 
-def _options(row: dict, leave_out: tuple[str, ...] = ("--mesh", "--run-dir")) -> list[str]:
-    return run_options(row, leave_out)
-
-
 def _newest(path: Path, keep=lambda row: True) -> list[dict]:
     """The newest row of each setup among those `keep` takes, in the README's order."""
     newest: dict[tuple, dict] = {}
     for r in filter(keep, read_rows(path)):
-        newest[(r["shape"], r["gpus"], r["mesh"], r["micro_batch"], r["global_batch"], *_options(r))] = r
+        newest[setup_key(r)] = r
     order = {shape: i for i, shape in enumerate(SHAPES)}
     return sorted(newest.values(), key=lambda r: (order.get(r["shape"], len(order)), r["gpus"], r["seq_len"],
-                                                  r["mesh"], r["global_batch"], _options(r)))
+                                                  r["mesh"], r["global_batch"], run_options(r)))
 
 
 def table(path: Path) -> str:
@@ -66,7 +58,7 @@ def table(path: Path) -> str:
     lines = ["| shape | GPUs | mesh | seq | micro/global batch | precision | options | tok/s/GPU | MFU | peak mem/GPU | date, commit |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        options = " ".join(_options(r)) or "-"
+        options = " ".join(run_options(r)) or "-"
         mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "-"
         if _masked(r) and r.get("mfu_document_attention_pct") is not None:
             # The convention counts a masked run's attention as dense; what it attends says more.
@@ -95,7 +87,7 @@ def breakdowns(path: Path) -> str:
         return ms_text(r["ceiling"][key]) if r.get("ceiling") else "-"
 
     columns = [f"{r['shape']}, {r['gpus']}x {r['device'].replace('NVIDIA ', '')}, {r['mesh']}, "
-               f"{' '.join(_options(r)) or '-'}" for r in rows]
+               f"{' '.join(run_options(r)) or '-'}" for r in rows]
     lines = ["| ms per step (share of the profiled step) | " + " | ".join(columns) + " |",
              "|---|" + "---|" * len(rows)]
 
@@ -120,14 +112,13 @@ def breakdowns(path: Path) -> str:
     return "\n".join(lines)
 
 
-def write_companions(readme: Path, results: Path) -> None:
-    """The tables rendered from the same results (and the FP8 curves file beside them), each where
-    the README has its markers."""
-    companions = {"breakdown": lambda: breakdowns(results), "fp8 recipes": lambda: fp8_tables.recipes_table(results),
-                  "fp8 curves": lambda: fp8_tables.curves_table(results.parent / fp8_tables.CURVES_FILE)}
-    for kind, render in companions.items():
-        if README_MARKERS[kind][0] in readme.read_text():
-            write_into_readme(readme, kind, render())
+def companion_tables(readme: Path, results: Path) -> dict[str, str]:
+    """The tables rendered from the same results (and the FP8 curves file beside them) that the
+    README has markers for, by marker kind."""
+    renderers = {"breakdown": lambda: breakdowns(results), "fp8 recipes": lambda: fp8_tables.recipes_table(results),
+                 "fp8 curves": lambda: fp8_tables.curves_table(results.parent / fp8_tables.CURVES_FILE)}
+    text = readme.read_text()
+    return {kind: render() for kind, render in renderers.items() if README_MARKERS[kind][0] in text}
 
 
 def _masked(row: dict) -> bool:
@@ -147,7 +138,7 @@ def bubbles(path: Path) -> str:
         spec = MeshSpec.parse(r["mesh"] if r["mesh"] != "single" else "", r["gpus"])
         if spec.pp == 1:
             continue
-        args = _options(r, leave_out=("--mesh", "--run-dir", "--global-batch"))
+        args = run_options(r, leave_out=("--mesh", "--run-dir", "--global-batch"))
         m = r["global_batch"] // (r["micro_batch"] * spec.dp_size)
         runs[(r["shape"], r["mesh"], r["micro_batch"], " ".join(args), m)] = (r, spec)
     lines = ["| shape | mesh | schedule | stages/rank | micro-batches m | step time (m) | step time (2m) | "

@@ -12,10 +12,11 @@ benchmarks/results.jsonl --readme README.md` writes both where the README has th
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from dtrain.data.packed import write_atomic
 from dtrain.plan.measured import flag_value, read_rows, run_options
+from models.errors import UserError
 
 # Flags that choose the precision of a run, and those that say what it puts in FP8 besides the blocks.
 PRECISION_FLAGS = ("--fp8", "--fp8-backend")
@@ -42,12 +43,16 @@ def _setup(row: dict) -> tuple:
 
 
 def recipes_table(path: Path) -> str:
-    rows = [r for r in read_rows(path) if r.get("device", "cpu") != "cpu"]
-    with_te = {_setup(r) for r in rows if recipe(r).startswith("te ")}
-    newest: dict[tuple, dict] = {}  # (setup, extent, recipe) -> the newest row (the file is in time order)
-    for r in rows:
-        if _setup(r) in with_te:
-            newest[(_setup(r), "" if recipe(r) == "bf16" else extent(r), recipe(r))] = r
+    # Each GPU row with its setup, extent and recipe, in file (time) order.
+    rows = [(_setup(r), extent(r), recipe(r), r) for r in read_rows(path) if r.get("device", "cpu") != "cpu"]
+    with_te = {setup for setup, _, name, _ in rows if name.startswith("te ")}
+    newest: dict[tuple, dict] = {}  # (setup, extent or "" for bf16, recipe) -> its newest row
+    torchao: dict[tuple, dict] = {}  # (setup, extent, date, commit) -> torchao's tensorwise run of that session
+    for setup, what, name, r in rows:
+        if setup in with_te:
+            newest[(setup, "" if name == "bf16" else what, name)] = r
+            if name == "torchao tensorwise":
+                torchao[(setup, what, r["date"], r["commit"])] = r
     recipes = [name for name in RECIPE_ORDER if any(key[2] == name for key in newest)]
     recipes += sorted({key[2] for key in newest} - set(recipes))
     lines = ["| setup | in FP8 | " + " | ".join(recipes) + " |", "|---|---|" + "---|" * len(recipes)]
@@ -57,24 +62,22 @@ def recipes_table(path: Path) -> str:
                  f"{' '.join(options) or '-'}")
         extents = sorted({key[1] for key in newest if key[0] == setup and key[1]}, key=lambda e: (len(e), e))
         for what in extents:
-            cells = [_cell(rows, newest, setup, what, name) for name in recipes]
+            cells = []
+            for name in recipes:
+                r = newest.get((setup, "" if name == "bf16" else what, name))
+                beside = torchao.get((setup, what, r["date"], r["commit"])) if r and name.startswith("te ") else None
+                cells.append(_cell(r, beside))
             lines.append(f"| {label} | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _cell(rows: list[dict], newest: dict, setup: tuple, what: str, name: str) -> str:
-    r = newest.get((setup, "" if name == "bf16" else what, name))
+def _cell(r: dict | None, torchao: dict | None) -> str:
+    """A run's tokens/s (MFU), its speed over torchao's run of the same session where given, its commit."""
     if r is None:
         return ""
     mfu = f" ({r['mfu_pct']:.1f}%)" if r.get("mfu_pct") is not None else ""
-    cell = f"{r['tokens_per_sec_per_gpu']:,.0f}{mfu}"
-    if name.startswith("te "):
-        # torchao's tensorwise run of the same setup and session, the newest such.
-        beside = [t for t in rows if _setup(t) == setup and recipe(t) == "torchao tensorwise" and extent(t) == what
-                  and (t["date"], t["commit"]) == (r["date"], r["commit"])]
-        if beside:
-            cell += f", {r['tokens_per_sec_per_gpu'] / beside[-1]['tokens_per_sec_per_gpu']:.3f}x"
-    return f"{cell}, {r['commit']}"
+    ratio = f", {r['tokens_per_sec_per_gpu'] / torchao['tokens_per_sec_per_gpu']:.3f}x" if torchao else ""
+    return f"{r['tokens_per_sec_per_gpu']:,.0f}{mfu}{ratio}, {r['commit']}"
 
 
 def record_curves(path: Path, name: str, losses: dict[int, float], about: dict) -> None:
@@ -82,16 +85,17 @@ def record_curves(path: Path, name: str, losses: dict[int, float], about: dict) 
     record = json.loads(path.read_text()) if path.exists() else {"losses": {}}
     record.update(about)
     record["losses"][name] = {str(step): loss for step, loss in sorted(losses.items())}
-    partial = path.with_name(path.name + ".partial")  # a run stopped mid-write leaves the last whole file
-    partial.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(partial, path)
+    write_atomic(path, lambda file: file.write((json.dumps(record, indent=1) + "\n").encode()))
 
 
 def curves_table(path: Path, window: int = 10, tail: int = 20) -> str:
     """The curves file as a markdown table (see `curve_report`), with how and where it was run."""
     if not path.exists():
         return f"(no curves recorded: `python -m tools.te_check --phase curves` writes {path})"
-    record = json.loads(path.read_text())
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path} is not JSON ({error.msg}); run python -m tools.te_check --phase curves again") from None
     order = record.get("curves", [])  # the run order: bf16 first, whichever finished first
     names = sorted(record["losses"], key=lambda name: order.index(name) if name in order else len(order))
     losses = {name: {int(step): loss for step, loss in record["losses"][name].items()} for name in names}

@@ -60,9 +60,10 @@ def fingerprint(array: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def _write_atomic(path: Path, write) -> None:
-    # Ranks of one job build the same index at once: each writes its own temporary file and
-    # renames it into place, so a reader never sees a half-written file.
+def write_atomic(path: Path, write) -> None:
+    """`write(file)` into a temporary file beside `path`, then renamed into place: a reader never
+    sees a half-written file (ranks of one job build the same index at once; a writer stopped
+    midway leaves the last whole file)."""
     temporary = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(temporary, "wb") as file:
@@ -77,9 +78,9 @@ def _save(cache_dir: str, name: str, array: np.ndarray | None, description: dict
     try:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         if array is not None:
-            _write_atomic(Path(cache_dir) / f"{name}.npy", lambda file: np.save(file, array))
+            write_atomic(Path(cache_dir) / f"{name}.npy", lambda file: np.save(file, array))
         # The description goes last: its presence says the array beside it is complete.
-        _write_atomic(Path(cache_dir) / f"{name}.json", lambda file: file.write(json.dumps(description).encode()))
+        write_atomic(Path(cache_dir) / f"{name}.json", lambda file: file.write(json.dumps(description).encode()))
     except OSError as error:
         if cache_dir not in _warned_dirs:
             _warned_dirs.add(cache_dir)

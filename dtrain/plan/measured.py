@@ -89,7 +89,8 @@ def flag_value(args: list[str], flag: str, default: str | None = None) -> str | 
     return args[args.index(flag) + 1] if flag in args else default
 
 
-def _setup_key(row: dict) -> tuple:
+def setup_key(row: dict) -> tuple:
+    """What makes two benchmark rows one setup (the README table shows the newest row of each)."""
     return (row["shape"], row["gpus"], row["mesh"], row["micro_batch"], row["global_batch"], *run_options(row))
 
 
@@ -113,7 +114,7 @@ def read_rows(path: Path) -> list[dict]:
 
 def newest_rows(path: Path) -> list[Row]:
     """The newest GPU row of each setup, in file order of their setups, with its configuration."""
-    newest = {_setup_key(row): row for row in read_rows(path) if row.get("device", "cpu") != "cpu"}
+    newest = {setup_key(row): row for row in read_rows(path) if row.get("device", "cpu") != "cpu"}
     return [_row(data) for data in newest.values()]
 
 
