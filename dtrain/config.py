@@ -52,7 +52,8 @@ class ParallelArgs:
     fsdp_reduce_once: bool = _field(
         False, "reduce-scatter the gradients once per step, after the last micro-batch, not after each, and keep "
                "the parameters a backward gathered for the next micro-batch: whole gradients and parameters stay "
-               "between micro-batches (more memory, fewer collectives); pipelined runs always reduce once")
+               "between micro-batches (more memory, fewer collectives); pipelined runs always reduce once, and so do "
+               "FSDP units with one shard (one GPU, tp alone, experts held by one rank), where it costs no memory")
     pp_schedule: str = _field("1f1b", "pipeline schedule",
                               choices=("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb", "zbv"))
     pp_virtual_stages: int = _field(1, "pipeline stages per rank (interleaved and V schedules)")

@@ -157,8 +157,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=device)
         with self.ctx.kernel_scope():
             for index, (batch, aux) in enumerate(zip(micro_batches, auxes)):
-                if self.config.parallel.fsdp_reduce_once:
-                    set_micro_batch_sync(self.model, last=index == len(micro_batches) - 1)
+                set_micro_batch_sync(self.model, last=index == len(micro_batches) - 1,
+                                     everywhere=self.config.parallel.fsdp_reduce_once)
                 self.beat.phase("forward")
                 micro_loss = self.model(self.inputs.tokens(batch[0]), aux)
                 if loss_factor != 1.0:

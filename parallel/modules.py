@@ -100,6 +100,7 @@ class ModelModule(nn.Module):
         self.runs_embedding = self.embed is not None and not self.copies
         self.pipelined = False
         self.stage_aux: Callable[[int], Any] | None = None  # a pipeline stage's aux by micro-batch, one per call
+        self.single_shard_units: list[nn.Module] = []  # FSDP units with one shard (parallel/data_parallel.py)
         for layer in layers:
             for path, source in layer.tied.items():
                 owner_name, param_name = source.rsplit(".", 1)

@@ -60,23 +60,47 @@ def test_blocks_to_reshard(mesh, world, mode, expected):
     assert blocks_to_reshard(["0", "1", "2", "3"], plan, mode) == expected
 
 
+def _reductions_and_gathers(tmp_path, mesh: str, nproc: int, extra: list[str]) -> dict[str, tuple[int, int]]:
+    """FSDP's gradient reductions and all-gathers in two steps, by default and with --fsdp-reduce-once."""
+    counts = {}
+    for name, flags in (("each", []), ("once", ["--fsdp-reduce-once"])):
+        args = [*TINY_ARGS, "--steps", "2", "--mesh", mesh, "--run-dir", str(tmp_path / name), *extra, *flags]
+        result = run_cli(args, nproc=nproc, module="tests.workers.count_grad_reductions")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        line = re.findall(r"^GRAD_REDUCTIONS (\d+) ALL_GATHERS (\d+)$", result.stdout, re.M)[-1]
+        counts[name] = tuple(map(int, line))
+    return counts
+
+
 @pytest.mark.slow
 def test_reduce_once_reduces_gradients_once_per_step(tmp_path):
     """Two micro-batches per rank: with --fsdp-reduce-once FSDP reduces each group's gradients
     after the last one only, half as often as by default, and the second forward finds the
     parameters still gathered by the first backward."""
-    counts = {}
-    for name, extra in (("each", []), ("once", ["--fsdp-reduce-once"])):
-        args = [*TINY_ARGS, "--steps", "2", "--mesh", "dp=2", "--run-dir", str(tmp_path / name), *extra]
-        result = run_cli(args, nproc=2, module="tests.workers.count_grad_reductions")
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        line = re.findall(r"^GRAD_REDUCTIONS (\d+) ALL_GATHERS (\d+)$", result.stdout, re.M)[-1]
-        counts[name] = tuple(map(int, line))
+    counts = _reductions_and_gathers(tmp_path, "dp=2", 2, [])
     (reduce_each, gather_each), (reduce_once, gather_once) = counts["each"], counts["once"]
     assert reduce_once > 0 and reduce_each == 2 * reduce_once, counts
     # With --fsdp-reduce-once each group (reduced once per step) skips one gather per step: the
     # second forward's.
     assert gather_each - gather_once == reduce_once, counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,nproc,extra", [
+    ("", 1, []),  # four micro-batches in one process
+    ("tp=2", 2, []),
+    ("dp=2,ep=2", 2, ["--model", "tiny-moe"]),  # the experts have one shard each, the rest two
+])
+def test_units_with_one_shard_reduce_once_per_step_by_default(tmp_path, mesh, nproc, extra):
+    """An FSDP unit with one shard reduces its gradients after the last micro-batch only, with or
+    without --fsdp-reduce-once: there the whole gradients take no more memory than the shards."""
+    counts = _reductions_and_gathers(tmp_path, mesh, nproc, extra)
+    (reduce_each, _), (reduce_once, _) = counts["each"], counts["once"]
+    if mesh == "dp=2,ep=2":
+        # Without the default the sharded units would reduce twice as often (as on dp=2 above).
+        assert reduce_once < reduce_each < 2 * reduce_once, counts
+    else:
+        assert reduce_each == reduce_once > 0, counts
 
 
 @pytest.mark.gpu

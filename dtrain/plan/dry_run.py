@@ -226,8 +226,7 @@ class _Step:
             tokens, aux = self._inputs()
 
             def forward():
-                if reduce_once:
-                    set_micro_batch_sync(model, last=kind == "last")
+                set_micro_batch_sync(model, last=kind == "last", everywhere=reduce_once)
                 loss = model(tokens, aux)
                 return loss.backward
 
