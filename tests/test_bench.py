@@ -233,16 +233,30 @@ def test_the_experts_benchmark_refuses_a_machine_without_cuda_and_splits_rows_ev
         assert counts.sum() == rows and counts.numel() == cfg.num_experts and len(set(counts.tolist())) == 1
 
 
-def test_every_attention_setup_runs_forward_and_backward_on_cpu():
+def test_every_attention_setup_runs_forward_and_backward_on_cpu(tmp_path):
     """The attention benchmark's code path for each setup (its parameters, RoPE, MLA or GQA, the
-    backward) on SDPA's math kernel: what a GPU call would otherwise be the first to run."""
+    backward) on SDPA's math kernel: what a GPU call would otherwise be the first to run. Its rows
+    render into the README's attention table, the newest of each setup."""
     import torch
 
     from tools import bench_attention
 
+    rows = []
     for name in bench_attention.SETUPS:
         row = bench_attention.run_setup(name, batch=1, seq_len=32, iterations=1, compile_=False,
                                         device=torch.device("cpu"))
         assert row["setup"] == name and row["device"] == "cpu" and row["ms_fwd_bwd"] > 0 and row["commit"]
         assert row["tokens_per_sec"] > 0  # (its TFLOP/s, rounded to 0.1, can be 0.0 on a CPU)
         assert row["value_path"] == (None if name.startswith("gqa") else "math kernel (CPU)"), name
+        rows.append(row)
+    results, readme = tmp_path / "results.jsonl", tmp_path / "README.md"
+    results.write_text("")
+    readme.write_text("".join(f"{begin}\n{end}\n" for kind, (begin, end) in bench_tables.README_MARKERS.items()
+                              if kind in ("table", "attention")))
+    assert bench_tables.companion_tables(readme, results)["attention"].startswith("(no attention runs")
+    stale = {**rows[0], "ms_fwd_bwd": 123456.0}
+    (tmp_path / bench_tables.ATTENTION_FILE).write_text("".join(json.dumps(r) + "\n" for r in [stale, *rows]))
+    assert bench.main(["--table", str(results), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert all(f"| {name} |" in text for name in bench_attention.SETUPS) and "123456" not in text
+    assert text.count("| cpu, ") == len(bench_attention.SETUPS)

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from tools.bench_tables import ATTENTION_FILE
+
 STEPS = ["--steps", "14", "--warmup", "4"]
 LONG = ["--seq-len", "32768", "--micro-batch", "1"]
 PP = ["--mesh", "pp=2", "--micro-batch", "1"]
@@ -215,7 +217,7 @@ def run_suite(names: list[str], out: Path, budget: float, timeout: float,
             outcomes.append((name, f"failed (exit {result.returncode}): {last[:200]}"))
             continue
         if json.loads(lines[-1]).get("kind") == "attention":
-            with out.with_name("attention.jsonl").open("a") as f:
+            with out.with_name(ATTENTION_FILE).open("a") as f:
                 f.write("".join(line + "\n" for line in lines))
             rows = [json.loads(line) for line in lines]
             outcomes.append((name, "; ".join(f"{r['setup']} {r['model_tflops']} TFLOP/s" for r in rows)))

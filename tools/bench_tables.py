@@ -1,7 +1,8 @@
 """The README's benchmark tables, rendered from the JSON lines `tools.bench` writes
 (`python -m tools.bench --table benchmarks/results.jsonl [--readme README.md]`): the newest run of
 each setup, the step breakdowns of profiled runs beside their ceilings, the FP8 recipes side by side
-and their loss curves (tools/fp8_tables.py), and pipeline bubbles measured from pairs of runs
+and their loss curves (tools/fp8_tables.py), attention sub-blocks alone (benchmarks/attention.jsonl),
+and pipeline bubbles measured from pairs of runs
 (`--bubble`). A results file that is missing or holds a broken line is a one-line error
 (`dtrain.plan.measured.read_rows`)."""
 
@@ -21,8 +22,12 @@ README_MARKERS = {
                "<!-- end of bubble table -->"),
     # Written with the table, where the README has these markers.
     **{kind: (f"<!-- {title}: {_TABLE} -->", f"<!-- end of {title} -->")
-       for kind, title in (("breakdown", "step breakdown"), ("fp8 recipes", "fp8 recipes"), ("fp8 curves", "fp8 curves"))},
+       for kind, title in (("breakdown", "step breakdown"), ("fp8 recipes", "fp8 recipes"), ("fp8 curves", "fp8 curves"),
+                           ("attention", "attention table"))},
 }
+# The attention sub-blocks' rows (tools/bench_attention.py), beside the results file.
+ATTENTION_FILE = "attention.jsonl"
+PEAK_TFLOPS = 989.0  # BENCHMARKS.md's dense BF16 peak of an H100 or H200
 
 
 def write_into_readme(readme: Path, kind: str, rendered: str) -> None:
@@ -112,11 +117,28 @@ def breakdowns(path: Path) -> str:
     return "\n".join(lines)
 
 
+def attention_table(path: Path) -> str:
+    """The newest row of each attention setup at each batch, sequence and compile setting:
+    milliseconds per forward + backward, and model TFLOP/s as a share of the dense BF16 peak."""
+    if not path.exists():
+        return f"(no attention runs: `python -m tools.bench --attention all --compile > {path}` makes them)"
+    newest = {(r["setup"], r["batch"], r["seq_len"], r["compile"]): r for r in read_rows(path)}
+    lines = ["| setup | heads | batch x seq | compiled | ms fwd+bwd | tokens/s | model TFLOP/s | share of peak | "
+             "MLA's values | device, date, commit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(newest.values(), key=lambda r: (not r["compile"], r["seq_len"], r["batch"], r["setup"])):
+        lines.append(f"| {r['setup']} | {r['heads']} | {r['batch']} x {r['seq_len']} | {'yes' if r['compile'] else 'no'} | "
+                     f"{r['ms_fwd_bwd']:.2f} | {r['tokens_per_sec']:,} | {r['model_tflops']:.0f} | "
+                     f"{100 * r['model_tflops'] / PEAK_TFLOPS:.1f}% | {r['value_path'] or '-'} | "
+                     f"{r['device'].replace('NVIDIA ', '')}, {r['date']}, {r['commit']} |")
+    return "\n".join(lines)
+
+
 def companion_tables(readme: Path, results: Path) -> dict[str, str]:
-    """The tables rendered from the same results (and the FP8 curves file beside them) that the
-    README has markers for, by marker kind."""
+    """The tables rendered from the same results (and the FP8 curves and attention files beside
+    them) that the README has markers for, by marker kind."""
     renderers = {"breakdown": lambda: breakdowns(results), "fp8 recipes": lambda: fp8_tables.recipes_table(results),
-                 "fp8 curves": lambda: fp8_tables.curves_table(results.parent / fp8_tables.CURVES_FILE)}
+                 "fp8 curves": lambda: fp8_tables.curves_table(results.parent / fp8_tables.CURVES_FILE),
+                 "attention": lambda: attention_table(results.parent / ATTENTION_FILE)}
     text = readme.read_text()
     return {kind: render() for kind, render in renderers.items() if README_MARKERS[kind][0] in text}
 
