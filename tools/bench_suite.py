@@ -130,6 +130,8 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                                                           "--mesh", "dp=2,ep=2", "--global-batch", "16", *options,
                                                           *_overrides(depth_overrides, balance)])
        for depth, depth_overrides, options in ((" layers=14", ["num_layers=14"], ["--micro-batch", "2"]),
+                                               (" layers=14 reduce-once", ["num_layers=14"],
+                                                ["--micro-batch", "2", "--fsdp-reduce-once"]),
                                                ("", [], ["--recompute", "full"]))
        for routing, balance in (("", []), (" balanced", ["force_load_balance=true"]))},
     # MLA within packed documents (its value head dim on the masked kernels).
@@ -165,7 +167,8 @@ GROUPS: dict[str, list[str]] = {
     # (13,000 tok/s/GPU); llama-1b tp=2 with SP (90% of dp=2, never slower than without SP);
     # DeepSeek-V2-Lite at ep=2 (35% MFU); Transformer Engine at least torchao.
     "targets": ["llama-8b dp=2", "llama-8b tp=2 sp", "llama-8b dp=2 fp8 head no-reshard", "llama-1b dp=2",
-                "llama-1b tp=2 sp", "llama-1b tp=2", "deepseek-v2-lite dp=2,ep=2", "llama-8b dp=2 fp8",
+                "llama-1b tp=2 sp", "llama-1b tp=2", "deepseek-v2-lite dp=2,ep=2",
+                "deepseek-v2-lite dp=2,ep=2 layers=14 reduce-once balanced", "llama-8b dp=2 fp8",
                 "llama-8b dp=2 te delayed", "mixtral-small dp=2,ep=2 allgather fp8",
                 "mixtral-small dp=2,ep=2 allgather te delayed", "llama-8b tp=2 sp fp8", "llama-8b tp=2 sp te delayed"],
     "loss-chunks": ["llama-1b single", "llama-1b single fp8 head", "llama-8b dp=2", "llama-8b dp=2 fp8 head",
