@@ -24,9 +24,13 @@ def peak_flops(device: torch.device) -> float | None:
     """The device's dense BF16 peak, or None (MFU is then not reported) when it is not known."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """The dense BF16 peak of a GPU by its name ("NVIDIA H200"), or None when it is not known."""
     for key, flops in PEAK_BF16_FLOPS:
-        if key in name:
+        if key in device_name:
             return flops
     return None
 

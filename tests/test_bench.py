@@ -260,3 +260,23 @@ def test_every_attention_setup_runs_forward_and_backward_on_cpu(tmp_path):
     text = readme.read_text()
     assert all(f"| {name} |" in text for name in bench_attention.SETUPS) and "123456" not in text
     assert text.count("| cpu, ") == len(bench_attention.SETUPS)
+
+
+def test_experts_table_keeps_the_newest_row_of_each_way_and_each_shape_together(tmp_path):
+    path = tmp_path / bench_tables.EXPERTS_FILE
+    assert bench_tables.experts_table(path).startswith("(no experts runs")
+
+    def row(shape, way, ms, commit):
+        experts, ffn, rows = (8, 8192, 16384) if shape == "mixtral-small" else (64, 1408, 49152)
+        return {"shape": shape, "way": way, "rows": rows, "experts": experts, "dim": 2048, "expert_ffn_dim": ffn,
+                "ms": ms, "tflops": 6 * rows * 3 * 2048 * ffn * (2 if experts == 8 else 6) / ms / 1e9,
+                "device": "NVIDIA H200", "date": "2026-12-02", "commit": commit}
+
+    rows = [row("mixtral-small", "torch bf16 grouped_mm", 9.5, "old"), row("deepseek-v2-lite", "torch bf16 grouped_mm", 5.9, "a"),
+            row("mixtral-small", "te delayed GroupedLinear", 8.1, "a"), row("mixtral-small", "torch bf16 grouped_mm", 8.8, "new")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = bench_tables.experts_table(path).splitlines()[2:]
+    assert [line.split(" | ")[3] for line in lines] == ["torch bf16 grouped_mm", "te delayed GroupedLinear",
+                                                        "torch bf16 grouped_mm"]
+    assert [line.split(" | ")[0] for line in lines] == ["| mixtral-small", "| mixtral-small", "| deepseek-v2-lite"]
+    assert "8.80" in lines[0] and "9.50" not in "\n".join(lines)

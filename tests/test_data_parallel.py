@@ -90,6 +90,8 @@ def test_reduce_once_reduces_gradients_once_per_step(tmp_path):
     ("", 1, []),  # four micro-batches in one process
     ("tp=2", 2, []),
     ("dp=2,ep=2", 2, ["--model", "tiny-moe"]),  # the experts have one shard each, the rest two
+    # Offloaded shards live in host memory: whole gradients would take GPU memory, so not by default.
+    ("", 1, ["--cpu-offload"]),
 ])
 def test_units_with_one_shard_reduce_once_per_step_by_default(tmp_path, mesh, nproc, extra):
     """An FSDP unit with one shard reduces its gradients after the last micro-batch only, with or
@@ -99,6 +101,8 @@ def test_units_with_one_shard_reduce_once_per_step_by_default(tmp_path, mesh, np
     if mesh == "dp=2,ep=2":
         # Without the default the sharded units would reduce twice as often (as on dp=2 above).
         assert reduce_once < reduce_each < 2 * reduce_once, counts
+    elif "--cpu-offload" in extra:
+        assert reduce_each == 4 * reduce_once > 0, counts  # after each of the four micro-batches
     else:
         assert reduce_each == reduce_once > 0, counts
 

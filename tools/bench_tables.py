@@ -1,8 +1,8 @@
 """The README's benchmark tables, rendered from the JSON lines `tools.bench` writes
 (`python -m tools.bench --table benchmarks/results.jsonl [--readme README.md]`): the newest run of
 each setup, the step breakdowns of profiled runs beside their ceilings, the FP8 recipes side by side
-and their loss curves (tools/fp8_tables.py), attention sub-blocks alone (benchmarks/attention.jsonl),
-and pipeline bubbles measured from pairs of runs
+and their loss curves (tools/fp8_tables.py), attention sub-blocks and routed experts alone
+(benchmarks/attention.jsonl, experts.jsonl), and pipeline bubbles measured from pairs of runs
 (`--bubble`). A results file that is missing or holds a broken line is a one-line error
 (`dtrain.plan.measured.read_rows`)."""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dtrain.metrics import peak_flops_of
 from dtrain.plan.measured import flag_value, read_rows, run_options, setup_key
 from tools import fp8_tables
 from tools.shapes import SHAPES
@@ -23,11 +24,12 @@ README_MARKERS = {
     # Written with the table, where the README has these markers.
     **{kind: (f"<!-- {title}: {_TABLE} -->", f"<!-- end of {title} -->")
        for kind, title in (("breakdown", "step breakdown"), ("fp8 recipes", "fp8 recipes"), ("fp8 curves", "fp8 curves"),
-                           ("attention", "attention table"))},
+                           ("attention", "attention table"), ("experts", "experts table"))},
 }
-# The attention sub-blocks' rows (tools/bench_attention.py), beside the results file.
+# The attention sub-blocks' rows (tools/bench_attention.py) and the experts' (tools/bench_experts.py),
+# beside the results file.
 ATTENTION_FILE = "attention.jsonl"
-PEAK_TFLOPS = 989.0  # BENCHMARKS.md's dense BF16 peak of an H100 or H200
+EXPERTS_FILE = "experts.jsonl"
 
 
 def write_into_readme(readme: Path, kind: str, rendered: str) -> None:
@@ -126,19 +128,38 @@ def attention_table(path: Path) -> str:
     lines = ["| setup | heads | batch x seq | compiled | ms fwd+bwd | tokens/s | model TFLOP/s | share of peak | "
              "MLA's values | device, date, commit |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(newest.values(), key=lambda r: (not r["compile"], r["seq_len"], r["batch"], r["setup"])):
+        peak = peak_flops_of(r["device"])
+        share = f"{100 * r['model_tflops'] * 1e12 / peak:.1f}%" if peak else "-"
         lines.append(f"| {r['setup']} | {r['heads']} | {r['batch']} x {r['seq_len']} | {'yes' if r['compile'] else 'no'} | "
-                     f"{r['ms_fwd_bwd']:.2f} | {r['tokens_per_sec']:,} | {r['model_tflops']:.0f} | "
-                     f"{100 * r['model_tflops'] / PEAK_TFLOPS:.1f}% | {r['value_path'] or '-'} | "
+                     f"{r['ms_fwd_bwd']:.2f} | {r['tokens_per_sec']:,} | {r['model_tflops']:.0f} | {share} | "
+                     f"{r['value_path'] or '-'} | "
                      f"{r['device'].replace('NVIDIA ', '')}, {r['date']}, {r['commit']} |")
     return "\n".join(lines)
 
 
+def experts_table(path: Path) -> str:
+    """The newest row of each way of running each shape's experts: milliseconds per SwiGLU
+    forward + backward at the same rows."""
+    if not path.exists():
+        return f"(no experts runs: `python -m tools.bench_experts` writes {path})"
+    newest = {(r["shape"], r["rows"], r["way"]): r for r in read_rows(path)}
+    lines = ["| shape | experts x FFN | rows | way | ms fwd+bwd | TFLOP/s | device, date, commit |",
+             "|---|---|---|---|---|---|---|"]
+    shapes = list(dict.fromkeys(shape for shape, _, _ in newest))  # each shape's rows together, in file order
+    for r in sorted(newest.values(), key=lambda r: shapes.index(r["shape"])):
+        lines.append(f"| {r['shape']} | {r['experts']} x {r['expert_ffn_dim']} | {r['rows']:,} | {r['way']} | "
+                     f"{r['ms']:.2f} | {r['tflops']:.0f} | {r['device'].replace('NVIDIA ', '')}, {r['date']}, "
+                     f"{r['commit']} |")
+    return "\n".join(lines)
+
+
 def companion_tables(readme: Path, results: Path) -> dict[str, str]:
-    """The tables rendered from the same results (and the FP8 curves and attention files beside
-    them) that the README has markers for, by marker kind."""
+    """The tables rendered from the same results (and the FP8 curves, attention and experts files
+    beside them) that the README has markers for, by marker kind."""
     renderers = {"breakdown": lambda: breakdowns(results), "fp8 recipes": lambda: fp8_tables.recipes_table(results),
                  "fp8 curves": lambda: fp8_tables.curves_table(results.parent / fp8_tables.CURVES_FILE),
-                 "attention": lambda: attention_table(results.parent / ATTENTION_FILE)}
+                 "attention": lambda: attention_table(results.parent / ATTENTION_FILE),
+                 "experts": lambda: experts_table(results.parent / EXPERTS_FILE)}
     text = readme.read_text()
     return {kind: render() for kind, render in renderers.items() if README_MARKERS[kind][0] in text}
 

@@ -39,6 +39,11 @@ OPTIMIZER_BYTES = 32
 # FSDP's copies per gathered element and step: the fp32 shard cast into the all-gather input and
 # copied out of its output, the gradient cast to fp32 into the reduce-scatter input and out.
 FSDP_COPY_BYTES = 24
+# Bytes per element of adding a later micro-batch's gradients into the fp32 sum: whole, where a
+# unit reduces once per step (read the gradient in the compute dtype and the sum, write the sum),
+# or shard-wise after each reduce-scatter (read two fp32 tensors, write one).
+ACCUMULATE_WHOLE_BYTES = 8  # plus the compute dtype's bytes
+ACCUMULATE_SHARD_BYTES = 12
 # How many times a block's forward and backward run their matmuls and element-wise kernels, per
 # recompute mode: full recompute runs the forward (a third of the matmuls) and its element-wise
 # kernels again; selective keeps the matmuls' outputs and recomputes the element-wise kernels.
@@ -377,13 +382,31 @@ def _fsdp_exposed(work: Workload, compute: float, hw: Hardware) -> float:
 
 
 def _optimizer_seconds(work: Workload, hw: Hardware) -> float:
-    """The AdamW step, and FSDP's copies into and out of its collectives' buffers (the cast of
-    the fp32 shards for the all-gather, the gradients into fp32 for the reduce-scatter)."""
+    """The AdamW step, FSDP's copies into and out of its collectives' buffers (the cast of the
+    fp32 shards for the all-gather, the gradients into fp32 for the reduce-scatter), and the sums of
+    the gradients over the step's micro-batches."""
     totals = work.unit_totals()
     trainable = totals.trainable
     copies = FSDP_COPY_BYTES * totals.gathered_trainable / (hw.hbm_tb_s * TERA)
     if not work.config.parallel.cpu_offload:
-        return OPTIMIZER_BYTES * trainable / (hw.hbm_tb_s * TERA) + copies
+        return (OPTIMIZER_BYTES * trainable + _accumulated_bytes(work)) / (hw.hbm_tb_s * TERA) + copies
     # Gradients come to the host, the step runs on the CPU, and the weights go back each step.
     copies = 4 * trainable * 2 / (hw.host_gb_s * GIGA)
     return copies + OPTIMIZER_BYTES * trainable / (hw.cpu_adam_gb_s * GIGA)
+
+
+def _accumulated_bytes(work: Workload) -> float:
+    """What the gradient sums of a step's later micro-batches move: whole where a unit reduces
+    once per step (pipelining, --fsdp-reduce-once, a unit with one shard:
+    parallel.data_parallel.set_micro_batch_sync), else shard-wise. Under MoE the sums cover every
+    expert, however few each token runs."""
+    p = work.config.parallel
+    later = work.num_microbatches - 1
+    whole_bytes = ACCUMULATE_WHOLE_BYTES + DTYPE_BYTES[work.config.train.precision]
+    total = 0.0
+    for unit in work.all_units():
+        if work.mesh_spec.pp > 1 or p.fsdp_reduce_once or unit.shards == 1:
+            total += whole_bytes * unit.gathered_trainable
+        else:
+            total += ACCUMULATE_SHARD_BYTES * unit.trainable
+    return later * total
