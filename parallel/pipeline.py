@@ -112,8 +112,10 @@ def balanced_layout(num_blocks: int, num_stages: int, embed_cost: float, head_co
 
 
 def block_counts(layers: list[spec.Layer], num_stages: int, layout: str | None = None) -> list[int]:
-    """Blocks per stage: as `layout` (--pp-layout) lists them, else balanced by cost."""
-    num_blocks = len(layers) - 2
+    """Blocks per stage: as `layout` (--pp-layout) lists them, else balanced by cost. Blocks are
+    the transformer layers; the embedding, multi-token prediction and head ride with the first and
+    last stage."""
+    num_blocks = sum(layer.name.startswith("blocks.") for layer in layers)
     if layout:
         return parse_layout(layout, num_blocks, num_stages)
     return balanced_layout(num_blocks, num_stages, *layer_costs(layers))

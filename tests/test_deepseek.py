@@ -15,6 +15,7 @@ from dtrain.checkpoint.storage import shape_difference
 from models import deepseek, flops, llama, mla, moe, mtp, spec
 from models.config import DeepSeekConfig, YarnScaling, get_model_config
 from models.context import LocalContext
+from models.errors import UserError
 from models.layers import rope_frequencies
 from parallel import pipeline
 from parallel.expert_parallel import max_ranks_per_token
@@ -350,6 +351,20 @@ def test_the_last_stage_runs_mtp_and_holds_a_copy_of_the_embedding():
     _, with_mtp = pipeline.layer_costs(layers)
     assert with_mtp > head_only + 1.0
     assert pipeline.stage_rank(3, 2, "interleaved-1f1b") == 1 and pipeline.stage_rank(3, 2, "zbv") == 0
+
+
+@pytest.mark.parametrize("model", ["tiny-mla", "deepseek-v3"])
+def test_the_pipeline_split_places_every_block_once_and_mtp_is_not_one(model):
+    """The MTP layer rides with the last stage like the head; a split (balanced or --pp-layout)
+    places the transformer blocks only, each once."""
+    cfg = get_model_config(model)
+    layers = deepseek.layers(cfg)
+    for stages in (2, 4):
+        counts = pipeline.block_counts(layers, stages)
+        assert sum(counts) == cfg.num_layers and len(counts) == stages and min(counts) >= 1, counts
+    assert pipeline.block_counts(layers, 2, f"{cfg.num_layers - 1},1") == [cfg.num_layers - 1, 1]
+    with pytest.raises(UserError, match=f"the model has {cfg.num_layers}"):
+        pipeline.block_counts(layers, 2, f"{cfg.num_layers},1")
 
 
 def test_a_checkpoint_without_fields_added_since_counts_them_at_their_defaults():

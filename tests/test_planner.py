@@ -37,6 +37,13 @@ def test_candidates_fit_run_as_printed_and_come_fastest_first():
         assert memory.predict_peak(config, 8)[0].total == pytest.approx(candidate.memory.total)
 
 
+def test_a_model_with_multi_token_prediction_is_planned_with_pipelines():
+    """DeepSeek-V3's MTP layer rides with the last stage: the split holds its 61 blocks, not 62."""
+    candidates = search(Target(model="deepseek-v3", gpus=256, seq_len=4096, global_batch=1024, gpu_memory_gb=141))
+    assert candidates and any("pp=" in c.config.parallel.mesh for c in candidates[:5])
+    assert candidates[0].memory.total <= 141 * GB
+
+
 def test_a_thousand_gpu_search_takes_seconds():
     started = time.perf_counter()
     candidates = search(Target(model="llama3.1-405b", gpus=1024, seq_len=8192, global_batch=1024, gpu_memory_gb=80))
