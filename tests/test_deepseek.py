@@ -367,6 +367,15 @@ def test_the_pipeline_split_places_every_block_once_and_mtp_is_not_one(model):
         pipeline.block_counts(layers, 2, f"{cfg.num_layers},1")
 
 
+def test_print_plan_names_the_mtp_layer_on_the_last_stage(capsys):
+    from dtrain.config import load_config
+    from dtrain.plan.describe import print_plan
+
+    print_plan(load_config(["--model", "tiny-mla", "--mesh", "pp=2", "--world-size", "2"]))
+    stages = capsys.readouterr().out.split("pp rank")[1].splitlines()[1:3]
+    assert "embedding + blocks 0-2" in stages[0] and "block 3 + MTP + head" in stages[1], stages
+
+
 def test_a_checkpoint_without_fields_added_since_counts_them_at_their_defaults():
     saved = {"dim": 64, "num_experts": 8}
     current = {"dim": 64, "num_experts": 8, "num_expert_groups": 1, "routed_scaling_factor": 1.0}

@@ -8,6 +8,7 @@ from dtrain.config import Config
 from dtrain.plan import advice, memory
 from dtrain.plan.validate import build_plan, validate, with_global_batch
 from models import families
+from models.config import get_model_config
 from parallel import pipeline
 from parallel.mesh import MeshSpec
 
@@ -34,15 +35,21 @@ def print_plan(config: Config) -> None:
     print("\n".join(memory_lines(config, mesh_spec)))
 
 
-def stage_text(blocks_per_stage: list[int], stage: int) -> str:
-    """`embedding + blocks 0-9`, `blocks 10-19`, `blocks 71-79 + head`."""
+def stage_text(blocks_per_stage: list[int], stage: int, mtp_depth: int = 0) -> str:
+    """`embedding + blocks 0-9`, `blocks 10-19`, `blocks 71-79 + head` (`+ MTP + head` where the
+    model has multi-token prediction, which runs on the last stage)."""
     first = sum(blocks_per_stage[:stage])
     last = first + blocks_per_stage[stage] - 1
     parts = ["embedding"] if stage == 0 else []
     parts.append(f"block {first}" if first == last else f"blocks {first}-{last}")
     if stage == len(blocks_per_stage) - 1:
-        parts.append("head")
+        parts += [*(["MTP" if mtp_depth == 1 else f"{mtp_depth} MTP modules"] if mtp_depth else []), "head"]
     return " + ".join(parts)
+
+
+def mtp_depth(config: Config) -> int:
+    """The model's multi-token prediction modules (0 without)."""
+    return getattr(get_model_config(config.model.model, config.model.model_overrides), "mtp_depth", 0)
 
 
 def describe_stages(config: Config, mesh_spec: MeshSpec, blocks_per_stage: list[int]) -> str:
@@ -55,9 +62,10 @@ def describe_stages(config: Config, mesh_spec: MeshSpec, blocks_per_stage: list[
                         for stage in pipeline.stage_ids(pp_rank, mesh_spec.pp, p.pp_virtual_stages, p.pp_schedule)}
     m = build.num_microbatches(config, mesh_spec)
     rows = [("stage", "blocks", "layers", "pp rank", "ranks")]
+    depth = mtp_depth(config)
     for stage, count in enumerate(blocks_per_stage):
         pp_rank = pp_rank_of_stage[stage]
-        rows.append((str(stage), str(count), stage_text(blocks_per_stage, stage), str(pp_rank),
+        rows.append((str(stage), str(count), stage_text(blocks_per_stage, stage, depth), str(pp_rank),
                      rank_ranges(tuple(ranks_of_pp_rank[pp_rank]))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"pipeline: {p.pp_schedule}, {len(blocks_per_stage)} stages ({mesh_spec.pp} ranks x "

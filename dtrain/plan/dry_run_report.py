@@ -12,7 +12,7 @@ import attrs
 from dtrain.config import Config
 from dtrain.plan import memory
 from dtrain.plan.accounting import CollectiveTally
-from dtrain.plan.describe import rank_ranges, stage_text
+from dtrain.plan.describe import mtp_depth, rank_ranges, stage_text
 from dtrain.plan.roles import Role
 from parallel.mesh import FSDP_SHARD_DIM, MESH_DIMS, MeshSpec
 
@@ -94,7 +94,7 @@ def role_text(config: Config, mesh_spec: MeshSpec, role: Role, report: ProgramRe
     where = ""
     if mesh_spec.pp > 1:
         where = " | pp rank {}: ".format(role.pp_rank) + ", ".join(
-            f"stage {s} ({stage_text(counts, s)})" for s in role.stage_ids)
+            f"stage {s} ({stage_text(counts, s, mtp_depth(config))})" for s in role.stage_ids)
     offload = report.param_bytes + report.grad_bytes + report.optimizer_bytes if config.parallel.cpu_offload else 0
     peak, why = peak_of_role(report, role, offload)
     lines = [
