@@ -3,16 +3,17 @@ against every included GPU row of benchmarks/results.jsonl, and how it moves wit
 
 from __future__ import annotations
 
-from pathlib import Path
+import math
 
 import attrs
 import pytest
 import torch
 
 from dtrain.config import load_config
-from dtrain.plan import activations, measured, memory
+from dtrain.plan import activations, measured, memory, steptime
 from dtrain.plan.workload import workload
 from models import families, spec
+from models.config import get_model_config
 from models.context import LocalContext
 from parallel import precision, recompute
 from tests.launch import REPO
@@ -214,3 +215,24 @@ def test_breakdown_adds_up_and_prints_each_category():
     line = breakdown.lines()[0]
     assert line.startswith(f"{breakdown.total / GB:.1f} GB at the start") and "activations" in line
     assert attrs.asdict(breakdown)["phase"]
+
+
+def test_the_mtp_layer_counts_on_the_last_pipeline_stage():
+    """Each multi-token prediction module adds its parameters (with their gradients and AdamW
+    state), its block's activations and one more head pass to the last stage, and time to the step."""
+    predictions = []
+    for depth in (0, 1, 2):
+        config = load_config(["--model", "tiny-mla", "--model-overrides", f"mtp_depth={depth}", "--mesh", "pp=2",
+                              "--pp-layout", "3,1", "--seq-len", "256", "--micro-batch", "2", "--global-batch", "8"])
+        work = workload(config, 2, rank=1)
+        predictions.append((memory.predict_workload(work), steptime.predict_workload(work).seconds))
+    mtp = next(layer for layer in families.layers(get_model_config("tiny-mla", "mtp_depth=1")) if layer.name == "mtp")
+    elements = sum(math.prod(s.shape) for _, s in spec.flatten(mtp.params))
+    trainable = sum(math.prod(s.shape) for _, s in spec.flatten(mtp.params) if s.trainable)  # not the router bias
+    (none, t0), (one, t1), (two, t2) = predictions
+    assert one.parameters - none.parameters == two.parameters - one.parameters == 4 * elements
+    assert one.optimizer - none.optimizer == 8 * trainable
+    assert one.logits == 2 * none.logits and two.logits == 3 * none.logits
+    assert one.activations - none.activations == pytest.approx(two.activations - one.activations)
+    assert one.activations > none.activations
+    assert t0 < t1 < t2

@@ -7,7 +7,7 @@ import torch
 
 from dtrain.config import load_config
 from dtrain.data.dataset import TokenDataset
-from dtrain.plan import measured, steptime
+from dtrain.plan import fsdp_time, measured, steptime
 from models import masking
 from tests.launch import REPO
 
@@ -122,7 +122,7 @@ def test_gradient_sums_over_micro_batches_cover_every_expert_whole_where_a_unit_
 
     def summed(*args: str, world: int = 1) -> float:
         config = load_config(["--model", "mixtral-small", "--seq-len", "4096", *args])
-        return steptime._accumulated_bytes(workload(config, world))
+        return fsdp_time.accumulated_bytes(workload(config, world))
 
     assert summed("--micro-batch", "2", "--global-batch", "2") == 0  # one micro-batch: nothing to add
     # One GPU: every unit has one shard and sums whole gradients, 3 later micro-batches against 1.

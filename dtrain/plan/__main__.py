@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from dtrain.plan.hardware import GIGA, H200
+from dtrain.plan.hardware import H200
 from dtrain.plan.search import Candidate, Target, fp8_flags, nothing_fits, search
 from dtrain.plan.validate import check_experts, check_head
 from models.config import get_model_config

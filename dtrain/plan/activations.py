@@ -79,11 +79,14 @@ def _block_bytes(work: Workload, block: int, mode: str, kernel: KernelFacts) -> 
     fp8 = _saves_float8(work, block)
     attention = _attention_per_token(work, mode, compiled, fp8, kernel, b, d, residual, q_width, kv_width, heads)
     total = work.tokens * (b * residual + attention)
-    if work.block_kinds[block] == "moe":
+    if work.is_moe(block):
         total += work.tokens / work.mesh_spec.tp * _moe_per_token(work, mode, compiled, b)
     else:
         ffn = work.model_cfg.dense_ffn_dim if isinstance(work.model_cfg, MoEConfig) else work.model_cfg.ffn_dim
         total += work.tokens * _mlp_per_token(work, mode, compiled, fp8, b, d, residual, math.ceil(ffn / work.mesh_spec.tp))
+    if work.is_mtp(block):
+        # Each MTP module also keeps its two normed inputs and their concatenation for its projection.
+        total = work.repeats(block) * (total + work.tokens * b * 4 * d)
     matmul_weights = work.block_units(block)[0].matmul
     if fp8 and not work.float8_all_gather:
         # Each FP8 matmul keeps its float8 weight cast for the backward, per micro-batch.
@@ -175,10 +178,14 @@ def head_bytes(work: Workload) -> tuple[float, float]:
     normed input and the logits (its vocab shard) in the compute dtype, and writes their gradient in
     place (under tp, in fp32 first). Eager cross-entropy never fuses: it keeps fp32
     log-probabilities and makes an fp32 gradient and its cast. An FP8 head also makes two float8 casts of the logits' gradient for its
-    two GEMMs. The chunked loss (--loss-chunk-tokens) is `chunked_head_bytes`."""
+    two GEMMs. The chunked loss (--loss-chunk-tokens) is `chunked_head_bytes`. Each multi-token
+    prediction module runs the head once more and keeps as much again."""
+    saved, extra = chunked_head_bytes(work) if work.config.train.loss_chunk_tokens else _head_bytes(work)
+    return saved * (1 + work.mtp_depth), extra
+
+
+def _head_bytes(work: Workload) -> tuple[float, float]:
     cfg, t, tp = work.model_cfg, work.config.train, work.mesh_spec.tp
-    if t.loss_chunk_tokens:
-        return chunked_head_bytes(work)
     b = DTYPE_BYTES[t.precision]
     d, residual, *_ = _widths(work)
     vocab = math.ceil(cfg.vocab_size / tp)

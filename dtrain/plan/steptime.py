@@ -11,7 +11,8 @@ cross the link their group spans (NVLink inside a node, the network across nodes
 context and expert parallelism's collectives wait for their data; FSDP's all-gathers and
 reduce-scatters overlap the compute and cost what they do not hide, and slow the compute they
 overlap. A pipeline adds its schedule's bubble; the optimizer step reads and writes the rank's
-fp32 state once.
+fp32 state once (FSDP's and the optimizer's share: fsdp_time.py). A model's multi-token
+prediction layer runs on the last stage: its modules' blocks, and the head once more for each.
 
 `ceiling(config, world_size)` is the same step with only its GEMMs and attention: the bound that
 `python -m tools.bench --profile` sets each measured step's breakdown beside.
@@ -27,23 +28,13 @@ import attrs
 from dtrain.config import Config
 from dtrain.plan import activations
 from dtrain.plan.activations import DTYPE_BYTES
+from dtrain.plan.fsdp_time import fsdp_exposed_seconds, optimizer_seconds
 from dtrain.plan.hardware import GIGA, H200, TERA, Hardware
 from dtrain.plan.workload import Stage, Workload, workload
 from models import flops
 from models.config import MoEConfig
 from parallel import pipeline, precision
 
-# Bytes of AdamW state touched per trainable element in one fused step, with the gradient-norm
-# pass: read and write the fp32 weight and both moments, read the fp32 gradient (twice).
-OPTIMIZER_BYTES = 32
-# FSDP's copies per gathered element and step: the fp32 shard cast into the all-gather input and
-# copied out of its output, the gradient cast to fp32 into the reduce-scatter input and out.
-FSDP_COPY_BYTES = 24
-# Bytes per element of adding a later micro-batch's gradients into the fp32 sum: whole, where a
-# unit reduces once per step (read the gradient in the compute dtype and the sum, write the sum),
-# or shard-wise after each reduce-scatter (read two fp32 tensors, write one).
-ACCUMULATE_WHOLE_BYTES = 8  # plus the compute dtype's bytes
-ACCUMULATE_SHARD_BYTES = 12
 # How many times a block's forward and backward run their matmuls and element-wise kernels, per
 # recompute mode: full recompute runs the forward (a third of the matmuls) and its element-wise
 # kernels again; selective keeps the matmuls' outputs and recomputes the element-wise kernels.
@@ -134,9 +125,9 @@ def _workload_ceiling(work: Workload, hw: Hardware) -> Ceiling:
     for stage in work.stages:
         for block, mode, count in work.block_mix(stage):
             gemm += count * MATMULS_RUN[mode] * _gemm_seconds(work, block, hw)[0]
-            attention += count * MATMULS_RUN[mode] * _attention_seconds(work, hw)
+            attention += count * MATMULS_RUN[mode] * _attention_seconds(work, hw) * work.repeats(block)
         if stage.last:
-            gemm += _head_gemm_seconds(work, hw)[0]
+            gemm += _head_gemm_seconds(work, hw)[0] * (1 + work.mtp_depth)
     m, p = work.num_microbatches, work.config.parallel
     gemm, attention = m * gemm, m * attention
     bubble_share = pipeline.bubble_fraction(p.pp_schedule, work.mesh_spec.pp, p.pp_virtual_stages, m)
@@ -156,10 +147,10 @@ def predict_workload(work: Workload, hardware: Hardware = H200) -> StepTime:
     communication = m * sum(c for _, c in per_micro_batch)
     bubble_share = pipeline.bubble_fraction(p.pp_schedule, work.mesh_spec.pp, p.pp_virtual_stages, m)
     bubble = (compute + communication) * bubble_share / (1 - bubble_share)
-    fsdp = _fsdp_exposed(work, compute, hardware)
+    fsdp = fsdp_exposed_seconds(work, compute, hardware)
     return StepTime(
         compute=compute, communication=communication, fsdp_exposed=fsdp, bubble=bubble,
-        optimizer=_optimizer_seconds(work, hardware), overhead=hardware.step_overhead_s,
+        optimizer=optimizer_seconds(work, hardware), overhead=hardware.step_overhead_s,
         tokens=d.global_batch * d.seq_len, world_size=work.mesh_spec.world_size,
         flops_per_token=_flops_per_token(work.model_cfg, d.seq_len),
     )
@@ -179,7 +170,8 @@ def _stage_seconds(work: Workload, stage: Stage, hw: Hardware) -> tuple[float, f
         compute += count * block_compute
         communication += count * block_communication
     if stage.last:
-        compute += _head_seconds(work, hw)
+        # Each MTP module's prediction runs the head and its loss once more.
+        compute += _head_seconds(work, hw) * (1 + work.mtp_depth)
         communication += _allreduce(work.tokens * _residual_bytes(work), work.mesh_spec.tp, hw.link_gb_s(work.mesh_spec.tp), hw)
     if stage.first:
         # The vocab-parallel lookup is summed over tp.
@@ -198,7 +190,7 @@ def _residual_bytes(work: Workload) -> float:
 
 def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple[float, float]:
     """One micro-batch of one block on this rank: compute and waited-for communication."""
-    cfg, mesh, t = work.model_cfg, work.mesh_spec, work.config.train
+    mesh, t = work.mesh_spec, work.config.train
     gemm, casts = _gemm_seconds(work, block, hw)
     attention = _attention_seconds(work, hw)
     masked = work.config.data.document_mask or work.model_cfg.sliding_window
@@ -206,10 +198,12 @@ def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple
         attention *= hw.masked_ring_slowdown
     elementwise = (hw.elementwise_traffic * activations.block_bytes(work, block, "none")
                    / (hw.hbm_tb_s * TERA)) * (1 if t.compile else 2)
+    # The MTP layer's weights hold all its modules; each module attends once.
+    attention *= work.repeats(block)
     compute = (gemm + casts + attention) * MATMULS_RUN[mode] + elementwise * ELEMENTWISE_RUN[mode]
     comm = 0.0
     residual = work.tokens * _residual_bytes(work)
-    moe = work.block_kinds[block] == "moe"
+    moe = work.is_moe(block)
     if mesh.tp > 1:
         # Attention and MLP regions: an all-reduce (or all-gather and reduce-scatter under SP)
         # each, forward and backward; an MoE layer gathers its tp ranks' token shares instead.
@@ -221,7 +215,7 @@ def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple
         comm += _context_parallel_seconds(work, attention, hw)
     if moe and mesh.ep > 1:
         comm += _expert_parallel_seconds(work, hw) * (1.5 if mode == "full" else 1)
-    return compute, comm
+    return compute, comm * work.repeats(block)
 
 
 def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> tuple[float, float]:
@@ -355,58 +349,3 @@ def _allreduce(size: float, ranks: int, link_gb_s: float, hw: Hardware) -> float
     if ranks == 1:
         return 0.0
     return 2 * size * (ranks - 1) / ranks / (link_gb_s * GIGA) + hw.collective_latency_s
-
-
-def _fsdp_exposed(work: Workload, compute: float, hw: Hardware) -> float:
-    """FSDP's collectives of one step: what compute cannot hide (the first all-gather, the last
-    reduce-scatter, and any excess over the compute), plus the slowdown of the compute they overlap."""
-    p, mesh = work.config.parallel, work.mesh_spec
-    totals = work.unit_totals()
-    m = work.num_microbatches
-    once = mesh.pp > 1 or p.fsdp_reduce_once
-    span = mesh.tp * mesh.cp * mesh.dp_shard
-    link = hw.link_gb_s(span) * GIGA
-    # Units kept gathered are gathered once per micro-batch (once per step where gradients are
-    # reduced once); resharded units again for each backward.
-    kept_gathers, resharded_gathers, reductions = (1 if once else m), 2 * m, (1 if once else m)
-    moved = (kept_gathers * totals.share_kept_bytes + resharded_gathers * totals.share_resharded_bytes
-             + reductions * 4 * totals.share_reduced)
-    total = moved / link + totals.collectives * (kept_gathers + reductions) * hw.collective_latency_s
-    if mesh.dp_replicate > 1:
-        replicas = mesh.dp_replicate
-        reduced = 4 * totals.trainable * 2 * (replicas - 1) / replicas
-        total += reductions * reduced / (hw.link_gb_s(span * replicas) * GIGA)
-    first, last = totals.first_gather_bytes / link, 4 * totals.last_reduced / link
-    hidden = min(total - first - last, compute)
-    return first + last + max(0.0, total - first - last - compute) + hw.overlap_slowdown * hidden
-
-
-def _optimizer_seconds(work: Workload, hw: Hardware) -> float:
-    """The AdamW step, FSDP's copies into and out of its collectives' buffers (the cast of the
-    fp32 shards for the all-gather, the gradients into fp32 for the reduce-scatter), and the sums of
-    the gradients over the step's micro-batches."""
-    totals = work.unit_totals()
-    trainable = totals.trainable
-    copies = FSDP_COPY_BYTES * totals.gathered_trainable / (hw.hbm_tb_s * TERA)
-    if not work.config.parallel.cpu_offload:
-        return (OPTIMIZER_BYTES * trainable + _accumulated_bytes(work)) / (hw.hbm_tb_s * TERA) + copies
-    # Gradients come to the host, the step runs on the CPU, and the weights go back each step.
-    copies = 4 * trainable * 2 / (hw.host_gb_s * GIGA)
-    return copies + OPTIMIZER_BYTES * trainable / (hw.cpu_adam_gb_s * GIGA)
-
-
-def _accumulated_bytes(work: Workload) -> float:
-    """What the gradient sums of a step's later micro-batches move: whole where a unit reduces
-    once per step (pipelining, --fsdp-reduce-once, a unit with one shard:
-    parallel.data_parallel.set_micro_batch_sync), else shard-wise. Under MoE the sums cover every
-    expert, however few each token runs."""
-    p = work.config.parallel
-    later = work.num_microbatches - 1
-    whole_bytes = ACCUMULATE_WHOLE_BYTES + DTYPE_BYTES[work.config.train.precision]
-    total = 0.0
-    for unit in work.all_units():
-        if work.mesh_spec.pp > 1 or p.fsdp_reduce_once or unit.shards == 1:
-            total += whole_bytes * unit.gathered_trainable
-        else:
-            total += ACCUMULATE_SHARD_BYTES * unit.trainable
-    return later * total

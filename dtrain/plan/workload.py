@@ -68,9 +68,9 @@ class UnitTotals:
 @attrs.frozen
 class Stage:
     index: int
-    blocks: tuple[int, ...]  # global block indices, in order
+    blocks: tuple[int, ...]  # global block indices, in order; the last stage's MTP layer after them
     first: bool              # holds the embedding
-    last: bool               # holds the head and the loss
+    last: bool               # holds the head and the loss (and the MTP layer, where there is one)
 
 
 @attrs.frozen
@@ -84,7 +84,9 @@ class Workload:
     counts: tuple[int, ...]             # blocks per stage, every stage
     num_microbatches: int               # per step on this rank
     tokens: int                         # of one micro-batch on this rank
-    block_kinds: tuple[str, ...]        # per global block: "dense" or "moe"
+    # Per global block: "dense" or "moe"; then, where the model has multi-token prediction, its
+    # layer (all its modules) as one more block of kind "mtp-dense" or "mtp-moe".
+    block_kinds: tuple[str, ...]
     units_by_kind: dict[str, tuple[Unit, ...]]
     # Per block kind, each matmul weight: (shape on this rank, routed expert, logical axes).
     weights_by_kind: dict[str, tuple[tuple[tuple[int, ...], bool, tuple[str, ...]], ...]]
@@ -98,6 +100,21 @@ class Workload:
     memo: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     @property
+    def mtp_depth(self) -> int:
+        """The model's multi-token prediction modules (0 without)."""
+        return getattr(self.model_cfg, "mtp_depth", 0)
+
+    def repeats(self, block: int) -> int:
+        """How many blocks `block` stands for: the MTP layer's modules, else one."""
+        return self.mtp_depth if self.is_mtp(block) else 1
+
+    def is_mtp(self, block: int) -> bool:
+        return self.block_kinds[block].startswith("mtp")
+
+    def is_moe(self, block: int) -> bool:
+        return self.block_kinds[block].endswith("moe")
+
+    @property
     def tp_tokens(self) -> int:
         """Tokens of one micro-batch in the residual stream of a tp rank (split under SP)."""
         return self.tokens // self.mesh_spec.tp if self.plan.sequence_parallel else self.tokens
@@ -105,11 +122,13 @@ class Workload:
     def block_units(self, block: int, stage: Stage | None = None) -> tuple[Unit, ...]:
         """The FSDP units of a block: the block, and its routed experts where ep splits them
         (never resharded: data_parallel._shard_experts). Which blocks are resharded follows
-        data_parallel.blocks_to_reshard: under the default, all but the last of each model part."""
+        data_parallel.blocks_to_reshard: under the default, all but the last of each model part
+        (and never the MTP layer, which runs last)."""
         units = self.units_by_kind[self.block_kinds[block]]
         mode = self.config.parallel.fsdp_reshard_after_forward
         resharded = units[0].shards > 1 and (mode == "always" or (mode == "default" and self.mesh_spec.pp == 1))
-        if resharded and mode == "default" and stage is not None and block == stage.blocks[-1]:
+        if resharded and mode == "default" and (self.is_mtp(block) or stage is not None and block == max(
+                b for b in stage.blocks if not self.is_mtp(b))):
             resharded = False
         return (attrs.evolve(units[0], resharded=True), *units[1:]) if resharded else units
 
@@ -185,7 +204,9 @@ def _workload(config: Config, model_cfg, mesh_spec: MeshSpec, rank: int, device_
     pp_rank = rank // (mesh_spec.world_size // mesh_spec.pp)
     ids = pipeline.stage_ids(pp_rank, mesh_spec.pp, p.pp_virtual_stages, p.pp_schedule) if mesh_spec.pp > 1 else [0]
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    stages = tuple(Stage(i, tuple(range(starts[i], starts[i] + counts[i])), i == 0, i == len(counts) - 1) for i in ids)
+    mtp = tuple(range(model_cfg.num_layers, len(kinds)))  # the MTP layer rides with the last stage
+    stages = tuple(Stage(i, tuple(range(starts[i], starts[i] + counts[i])) + (mtp if i == len(counts) - 1 else ()),
+                         i == 0, i == len(counts) - 1) for i in ids)
     fsdp_ranks = mesh_spec.dp_shard * mesh_spec.cp
     is_moe = isinstance(model_cfg, MoEConfig)
     fp8 = t.fp8 is not None
@@ -212,9 +233,14 @@ def _tables(model_cfg, tp: int, ep: int, dp_shard: int, cp: int, sequence_parall
     layers = _layers(model_cfg)
     kinds = tuple("moe" if isinstance(model_cfg, MoEConfig) and model_cfg.is_moe_layer(i) else "dense"
                   for i in range(model_cfg.num_layers))
+    layer_of_kind = {kind: layers[1 + kinds.index(kind)] for kind in set(kinds)}
+    mtp = next((layer for layer in layers if layer.name == "mtp"), None)
+    if mtp is not None:
+        kind = "mtp-moe" if any(mixtral.is_expert_weight(p) for _, p in spec.flatten(mtp.params)) else "mtp-dense"
+        kinds += (kind,)
+        layer_of_kind[kind] = mtp
     units_by_kind, weights_by_kind = {}, {}
-    for kind in set(kinds):
-        layer = layers[1 + kinds.index(kind)]
+    for kind, layer in layer_of_kind.items():
         units_by_kind[kind] = _block_units(layer, plan, mesh_spec)
         weights_by_kind[kind] = tuple((plan.gathered_shape(param.shape, param.axes), mixtral.is_expert_weight(param),
                                        param.axes) for _, param in spec.flatten(layer.params) if len(param.shape) >= 2)

@@ -1,0 +1,76 @@
+"""FSDP's and the optimizer's share of a step (dtrain/plan/steptime.py): the collectives that
+compute cannot hide, the copies into and out of their buffers, the sums of the gradients over a
+step's micro-batches, and the AdamW step."""
+
+from __future__ import annotations
+
+from dtrain.plan.activations import DTYPE_BYTES
+from dtrain.plan.hardware import GIGA, TERA, Hardware
+from dtrain.plan.workload import Workload
+
+# Bytes of AdamW state touched per trainable element in one fused step, with the gradient-norm
+# pass: read and write the fp32 weight and both moments, read the fp32 gradient (twice).
+OPTIMIZER_BYTES = 32
+# FSDP's copies per gathered element and step: the fp32 shard cast into the all-gather input and
+# copied out of its output, the gradient cast to fp32 into the reduce-scatter input and out.
+FSDP_COPY_BYTES = 24
+# Bytes per element of adding a later micro-batch's gradients into the fp32 sum: whole, where a
+# unit reduces once per step (read the gradient in the compute dtype and the sum, write the sum),
+# or shard-wise after each reduce-scatter (read two fp32 tensors, write one).
+ACCUMULATE_WHOLE_BYTES = 8  # plus the compute dtype's bytes
+ACCUMULATE_SHARD_BYTES = 12
+
+
+def fsdp_exposed_seconds(work: Workload, compute: float, hw: Hardware) -> float:
+    """FSDP's collectives of one step: what compute cannot hide (the first all-gather, the last
+    reduce-scatter, and any excess over the compute), plus the slowdown of the compute they overlap."""
+    p, mesh = work.config.parallel, work.mesh_spec
+    totals = work.unit_totals()
+    m = work.num_microbatches
+    once = mesh.pp > 1 or p.fsdp_reduce_once
+    span = mesh.tp * mesh.cp * mesh.dp_shard
+    link = hw.link_gb_s(span) * GIGA
+    # Units kept gathered are gathered once per micro-batch (once per step where gradients are
+    # reduced once); resharded units again for each backward.
+    kept_gathers, resharded_gathers, reductions = (1 if once else m), 2 * m, (1 if once else m)
+    moved = (kept_gathers * totals.share_kept_bytes + resharded_gathers * totals.share_resharded_bytes
+             + reductions * 4 * totals.share_reduced)
+    total = moved / link + totals.collectives * (kept_gathers + reductions) * hw.collective_latency_s
+    if mesh.dp_replicate > 1:
+        replicas = mesh.dp_replicate
+        reduced = 4 * totals.trainable * 2 * (replicas - 1) / replicas
+        total += reductions * reduced / (hw.link_gb_s(span * replicas) * GIGA)
+    first, last = totals.first_gather_bytes / link, 4 * totals.last_reduced / link
+    hidden = min(total - first - last, compute)
+    return first + last + max(0.0, total - first - last - compute) + hw.overlap_slowdown * hidden
+
+
+def optimizer_seconds(work: Workload, hw: Hardware) -> float:
+    """The AdamW step, FSDP's copies into and out of its collectives' buffers (the cast of the
+    fp32 shards for the all-gather, the gradients into fp32 for the reduce-scatter), and the sums of
+    the gradients over the step's micro-batches."""
+    totals = work.unit_totals()
+    trainable = totals.trainable
+    copies = FSDP_COPY_BYTES * totals.gathered_trainable / (hw.hbm_tb_s * TERA)
+    if not work.config.parallel.cpu_offload:
+        return (OPTIMIZER_BYTES * trainable + accumulated_bytes(work)) / (hw.hbm_tb_s * TERA) + copies
+    # Gradients come to the host, the step runs on the CPU, and the weights go back each step.
+    copies = 4 * trainable * 2 / (hw.host_gb_s * GIGA)
+    return copies + OPTIMIZER_BYTES * trainable / (hw.cpu_adam_gb_s * GIGA)
+
+
+def accumulated_bytes(work: Workload) -> float:
+    """What the gradient sums of a step's later micro-batches move: whole where a unit reduces
+    once per step (pipelining, --fsdp-reduce-once, a unit with one shard:
+    parallel.data_parallel.set_micro_batch_sync), else shard-wise. Under MoE the sums cover every
+    expert, however few each token runs."""
+    p = work.config.parallel
+    later = work.num_microbatches - 1
+    whole_bytes = ACCUMULATE_WHOLE_BYTES + DTYPE_BYTES[work.config.train.precision]
+    total = 0.0
+    for unit in work.all_units():
+        if work.mesh_spec.pp > 1 or p.fsdp_reduce_once or unit.shards == 1:
+            total += whole_bytes * unit.gathered_trainable
+        else:
+            total += ACCUMULATE_SHARD_BYTES * unit.trainable
+    return later * total
