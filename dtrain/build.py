@@ -9,7 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtrain.config import Config
-from models import families
+from models import families, flops
 from models.config import LlamaConfig
 from parallel import pipeline, precision, recompute, tensor_parallel
 from parallel.context import ParallelContext
@@ -36,7 +36,8 @@ def blocks_per_stage(config: Config, model_cfg: LlamaConfig, mesh_spec: MeshSpec
     if mesh_spec.pp == 1:
         return [model_cfg.num_layers]
     num_stages = mesh_spec.pp * config.parallel.pp_virtual_stages
-    return pipeline.block_counts(families.layers(model_cfg), num_stages, config.parallel.pp_layout)
+    return pipeline.block_counts(families.layers(model_cfg), num_stages, config.parallel.pp_layout,
+                                 flops.expert_share(model_cfg))
 
 
 def num_microbatches(config: Config, mesh_spec: MeshSpec) -> int:

@@ -16,6 +16,11 @@ def _active_size(param: spec.ParamSpec, cfg: LlamaConfig | MoEConfig) -> int:
     return size
 
 
+def expert_share(cfg: LlamaConfig | MoEConfig) -> float:
+    """The share of each routed expert weight one token runs through: top_k / num_experts."""
+    return cfg.top_k / cfg.num_experts if isinstance(cfg, MoEConfig) else 1.0
+
+
 def active_params(cfg: LlamaConfig | MoEConfig, *, with_mtp: bool = True) -> int:
     """Parameters one token uses, embeddings included (the "active" count MoE papers publish);
     `with_mtp=False` leaves the multi-token prediction modules out, as DeepSeek's totals do."""

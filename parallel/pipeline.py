@@ -28,7 +28,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from models import spec
+from models import mixtral, spec
 from models.errors import UserError
 
 SCHEDULES = {
@@ -111,14 +111,15 @@ def balanced_layout(num_blocks: int, num_stages: int, embed_cost: float, head_co
     return [end - start for start, end in zip(edges, edges[1:])]
 
 
-def block_counts(layers: list[spec.Layer], num_stages: int, layout: str | None = None) -> list[int]:
-    """Blocks per stage: as `layout` (--pp-layout) lists them, else balanced by cost. Blocks are
-    the transformer layers; the embedding, multi-token prediction and head ride with the first and
-    last stage."""
+def block_counts(layers: list[spec.Layer], num_stages: int, layout: str | None = None,
+                 expert_share: float = 1.0) -> list[int]:
+    """Blocks per stage: as `layout` (--pp-layout) lists them, else balanced by cost (see
+    `layer_costs`). Blocks are the transformer layers; the embedding, multi-token prediction and
+    head ride with the first and last stage."""
     num_blocks = sum(layer.name.startswith("blocks.") for layer in layers)
     if layout:
         return parse_layout(layout, num_blocks, num_stages)
-    return balanced_layout(num_blocks, num_stages, *layer_costs(layers))
+    return balanced_layout(num_blocks, num_stages, *layer_costs(layers, expert_share))
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
@@ -176,11 +177,14 @@ def stage_layers(layers: list[spec.Layer], counts: list[int], stage: int) -> lis
     return chosen + [attrs.evolve(layer, run=False) for layer in layers if layer.name in shared - held]
 
 
-def layer_costs(layers: list[spec.Layer]) -> tuple[float, float]:
-    """Embedding and last-stage (MTP and head) cost in blocks, by matmul parameters (the lookup
-    costs little); a shared output projection counts for each layer that runs it."""
-    def matmul_params(layer: spec.Layer) -> int:
-        return sum(math.prod(s.shape) for _, s in spec.flatten(layer.params) if len(s.shape) >= 2)
+def layer_costs(layers: list[spec.Layer], expert_share: float = 1.0) -> tuple[float, float]:
+    """Embedding and last-stage (MTP and head) cost in blocks, by the matmul parameters a token
+    runs through (the lookup costs little): of routed experts' stacked weights, `expert_share`
+    (top_k / num_experts), since a step's time follows the active experts, not all of them; a
+    shared output projection counts for each layer that runs it."""
+    def matmul_params(layer: spec.Layer) -> float:
+        return sum(math.prod(s.shape) * (expert_share if mixtral.is_expert_weight(s) else 1.0)
+                   for _, s in spec.flatten(layer.params) if len(s.shape) >= 2)
 
     specs = {f"{layer.name}.{path}": s for layer in layers for path, s in spec.flatten(layer.params)}
     blocks = [layer for layer in layers if layer.name.startswith("blocks.")]

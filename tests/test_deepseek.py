@@ -367,6 +367,19 @@ def test_the_pipeline_split_places_every_block_once_and_mtp_is_not_one(model):
         pipeline.block_counts(layers, 2, f"{cfg.num_layers},1")
 
 
+def test_pipeline_stages_balance_the_experts_a_token_runs_through():
+    """A step's time follows the 8 experts of 256 a token runs, not all 256: weighed so, the head
+    and MTP layer are 4 blocks' worth, and the last stage gets fewer blocks than the others."""
+    cfg = get_model_config("deepseek-v3")
+    layers = deepseek.layers(cfg)
+    share = flops.expert_share(cfg)
+    assert share == cfg.top_k / cfg.num_experts
+    (_, by_all), (_, by_active) = pipeline.layer_costs(layers), pipeline.layer_costs(layers, share)
+    assert by_active > 3 * by_all
+    counts = pipeline.block_counts(layers, 16, expert_share=share)
+    assert sum(counts) == cfg.num_layers and counts[-1] < min(counts[1:-1]), counts
+
+
 def test_print_plan_names_the_mtp_layer_on_the_last_stage(capsys):
     from dtrain.config import load_config
     from dtrain.plan.describe import print_plan

@@ -20,7 +20,7 @@ import attrs
 
 from dtrain.config import Config
 from dtrain.plan.validate import with_global_batch
-from models import families, mixtral, spec
+from models import families, flops, mixtral, spec
 from models.config import MoEConfig, get_model_config
 from parallel import pipeline, precision
 from parallel.expert_parallel import choose_dispatch
@@ -255,7 +255,7 @@ def _layers(model_cfg) -> list[spec.Layer]:
 
 @functools.lru_cache(maxsize=256)
 def _block_counts(model_cfg, num_stages: int, layout: str) -> list[int]:
-    return pipeline.block_counts(_layers(model_cfg), num_stages, layout or None)
+    return pipeline.block_counts(_layers(model_cfg), num_stages, layout or None, flops.expert_share(model_cfg))
 
 
 def _block_units(layer: spec.Layer, plan: Plan, mesh_spec: MeshSpec) -> tuple[Unit, ...]:
