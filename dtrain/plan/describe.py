@@ -7,7 +7,7 @@ from dtrain import build, distributed
 from dtrain.config import Config
 from dtrain.plan import advice, memory
 from dtrain.plan.validate import build_plan, validate, with_global_batch
-from models import families
+from models import families, flops
 from models.config import get_model_config
 from parallel import pipeline
 from parallel.mesh import MeshSpec
@@ -49,7 +49,7 @@ def stage_text(blocks_per_stage: list[int], stage: int, mtp_depth: int = 0) -> s
 
 def mtp_depth(config: Config) -> int:
     """The model's multi-token prediction modules (0 without)."""
-    return getattr(get_model_config(config.model.model, config.model.model_overrides), "mtp_depth", 0)
+    return flops.mtp_depth(get_model_config(config.model.model, config.model.model_overrides))
 
 
 def describe_stages(config: Config, mesh_spec: MeshSpec, blocks_per_stage: list[int]) -> str:

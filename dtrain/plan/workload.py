@@ -102,7 +102,7 @@ class Workload:
     @property
     def mtp_depth(self) -> int:
         """The model's multi-token prediction modules (0 without)."""
-        return getattr(self.model_cfg, "mtp_depth", 0)
+        return flops.mtp_depth(self.model_cfg)
 
     def repeats(self, block: int) -> int:
         """How many blocks `block` stands for: the MTP layer's modules, else one."""
