@@ -24,6 +24,7 @@ def _assert_close(actual, expected, rtol, what):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh,nproc,extra", [
     ("dp=2", 2, []), ("dp_replicate=2,dp_shard=2", 4, []), ("dp=2", 2, ["--fsdp-reshard-after-forward", "never"]),
+    ("dp_replicate=2", 2, []),  # one shard: each unit all-reduces once per step, after both micro-batches
     ("dp=2", 2, ["--fsdp-reduce-once"]),  # two micro-batches per rank: one reduce-scatter after both
     # Shards in host memory, AdamW's fused kernel on the CPU (foreach in the reference).
     ("dp=2", 2, ["--cpu-offload"]),
@@ -89,6 +90,7 @@ def test_reduce_once_reduces_gradients_once_per_step(tmp_path):
 @pytest.mark.parametrize("mesh,nproc,extra", [
     ("", 1, []),  # four micro-batches in one process
     ("tp=2", 2, []),
+    ("dp_replicate=2", 2, []),  # HSDP with one shard: the all-reduce once per step
     ("dp=2,ep=2", 2, ["--model", "tiny-moe"]),  # the experts have one shard each, the rest two
     # Offloaded shards live in host memory: whole gradients would take GPU memory, so not by default.
     ("", 1, ["--cpu-offload"]),
