@@ -52,12 +52,11 @@ class GroupedKernels:
         """[matmul][expert] -> (input, weight, output gradient) quantizers of this rank's experts;
         `scale` and `amax` are [MATMULS x all experts, 3] blocks. Looked up once per block (its
         3 x experts slots would otherwise be looked up one by one at every call)."""
-        key = ("experts", scale.data_ptr(), amax.data_ptr(), first, experts)
-        if key not in self.dense.made:
-            total = scale.shape[0] // MATMULS
-            self.dense.made[key] = [[self.dense.quantizers(scale[m * total + first + e], amax[m * total + first + e])
-                                     for e in range(experts)] for m in range(MATMULS)]
-        return self.dense.made[key]
+        total = scale.shape[0] // MATMULS
+        return self.dense.cached(
+            ("experts", scale.data_ptr(), amax.data_ptr(), first, experts),
+            lambda: [[self.dense.quantizers(scale[m * total + first + e], amax[m * total + first + e])
+                      for e in range(experts)] for m in range(MATMULS)])
 
     def _quantize_rows(self, rows: Tensor, splits: list[int], quantizers: list, rowwise: bool, columnwise: bool):
         """Each expert's block of rows with its quantizer (one call)."""

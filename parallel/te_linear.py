@@ -99,8 +99,9 @@ class TEKernels:
             gemm: getattr(getattr(self.recipe, f"fp8_gemm_{gemm}", None), "use_split_accumulator", default)
             for gemm, default in (("fprop", False), ("dgrad", True), ("wgrad", True))}
         self.shared = None
-        # Delayed scaling's quantizers, by the storage of their slots (and, for the experts op,
-        # the rank's block of experts); they keep the slots alive, so `forget` drops them with a run.
+        # What `cached` made: delayed scaling's quantizers, by the storage of their slots (and, for
+        # the experts op, the rank's block of experts); they keep the slots alive, so `forget`
+        # drops them with a run.
         self.made: dict[tuple, Any] = {}
         # TE's per-tensor cast makes the column-wise (transposed) copy only beside the row-wise one.
         self.rowwise_with_columnwise = recipe in ("delayed", "current")
@@ -135,10 +136,14 @@ class TEKernels:
         TE's quantizers costs the host more than a matmul of a 2048-wide layer takes the GPU."""
         if self.shared is not None:
             return self.shared
-        key = (scale.data_ptr(), amax.data_ptr())
+        return self.cached((scale.data_ptr(), amax.data_ptr()), lambda: self._configure(tuple(
+            self.delayed_quantizer(scale[i], amax[i:i + 1], dtype) for i, dtype in enumerate(self.fp8_dtypes))))
+
+    def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """`make()`, once per key until `forget`: delayed scaling's quantizers, which hold their
+        state slots."""
         if key not in self.made:
-            self.made[key] = self._configure(tuple(self.delayed_quantizer(scale[i], amax[i:i + 1], dtype)
-                                                   for i, dtype in enumerate(self.fp8_dtypes)))
+            self.made[key] = make()
         return self.made[key]
 
     def forget(self) -> None:
