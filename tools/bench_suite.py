@@ -155,6 +155,12 @@ SUITE: dict[str, tuple[int, list[str]]] = {
        for name, flags in (("", []), (" loss-chunks 2048", ["--loss-chunk-tokens", "2048"]))},
     # Attention sub-blocks alone: llama-1b's GQA beside DeepSeek's MLA (to attention.jsonl beside --out).
     "attention gqa and mla": (1, ["--attention", "all", "--compile", "--steps", "20"]),
+    # Seven of DeepSeek-V2-Lite's 27 layers fit one H200 (its fp32 state at full depth needs two):
+    # its MLA and 64 narrow experts per GPU, 4 and 2 micro-batches per step.
+    **{f"deepseek-v2-lite single layers=7{routing} micro-batch {mb}": (
+        1, ["--shape", "deepseek-v2-lite", *STEPS, "--", "--compile", "--global-batch", "8", "--micro-batch", str(mb),
+            *_overrides(["num_layers=7"], balance)])
+       for mb in (2, 4) for routing, balance in (("", []), (" balanced", ["force_load_balance=true"]))},
 }
 
 # Setups measured side by side, each group in one `--group` run.
@@ -171,6 +177,8 @@ GROUPS: dict[str, list[str]] = {
                 "deepseek-v2-lite dp=2,ep=2 layers=14 reduce-once balanced", "llama-8b dp=2 fp8",
                 "llama-8b dp=2 te delayed", "mixtral-small dp=2,ep=2 allgather fp8",
                 "mixtral-small dp=2,ep=2 allgather te delayed", "llama-8b tp=2 sp fp8", "llama-8b tp=2 sp te delayed"],
+    # What one H200 measures of issue 23: MLA beside GQA, and DeepSeek layers.
+    "deepseek-one-gpu": ["attention gqa and mla", *(name for name in SUITE if name.startswith("deepseek-v2-lite single"))],
     "loss-chunks": ["llama-1b single", "llama-1b single fp8 head", "llama-8b dp=2", "llama-8b dp=2 fp8 head",
                     *(name for name in SUITE if "loss-chunks" in name or "micro-batch" in name)],
 }
