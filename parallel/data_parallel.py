@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from parallel import precision
 from parallel.mesh import fsdp_shard_dim
@@ -26,13 +26,19 @@ def data_parallel_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
     return mesh[shard]
 
 
+def reduces_once_by_default(shards: int, cpu_offload: bool) -> bool:
+    """Whether an FSDP unit split over `shards` ranks reduces its gradients once per step without
+    --fsdp-reduce-once (`set_micro_batch_sync`): with one shard the whole fp32 gradients take the
+    memory the fp32 shards would, unless CPU offload keeps the shards in host memory. The planner
+    (dtrain/plan/workload.py) asks the same."""
+    return shards == 1 and not cpu_offload
+
+
 def _fully_shard(model: ModelModule, unit: torch.nn.Module, mesh: DeviceMesh, offload: OffloadPolicy, **kwargs) -> None:
-    """fully_shard, noting on the model each unit that has one shard (`set_micro_batch_sync`)."""
+    """fully_shard, noting the unit on the model, and whether it reduces once by default."""
     fully_shard(unit, mesh=mesh, offload_policy=offload, **kwargs)
-    # The shard dim is the mesh's last (HSDP's replicate dim comes first). Under CPU offload the
-    # whole gradients would stay in GPU memory, beside the host's shards.
-    if mesh.size(-1) == 1 and not isinstance(offload, CPUOffloadPolicy):
-        model.single_shard_units.append(unit)
+    # The shard dim is the mesh's last (HSDP's replicate dim comes first).
+    model.fsdp_units.append((unit, reduces_once_by_default(mesh.size(-1), isinstance(offload, CPUOffloadPolicy))))
 
 
 def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, policy, offload: OffloadPolicy) -> None:
@@ -80,14 +86,13 @@ def set_micro_batch_sync(model: ModelModule, last: bool, everywhere: bool) -> No
     """Before each micro-batch: the gradients of the units this applies to accumulate whole until
     the last backward, which reduces them; parameters a backward gathered stay gathered for the
     next micro-batch's forward. `everywhere` (--fsdp-reduce-once) applies it to every FSDP unit,
-    else it applies to the units with one shard only (`model.single_shard_units`): there the whole
-    fp32 gradients take the memory the fp32 shards would, and reducing after every micro-batch
-    only costs time. (Measured on one H200, DeepSeek-V2-Lite at 7 layers, 4 micro-batches: FSDP's
-    copy into the reduce buffer after each backward left the GPU idle 38% of the step.)"""
-    units = [unit for unit in model.modules() if isinstance(unit, FSDPModule)] if everywhere else model.single_shard_units
-    for unit in units:
-        unit.set_requires_gradient_sync(last, recurse=False)
-        unit.set_reshard_after_backward(last, recurse=False)
+    else to those that reduce once by default (`reduces_once_by_default`): reducing a unit of one
+    shard after every micro-batch only costs time, FSDP's copy into its reduce buffer (the
+    README's benchmarks measure what it cost)."""
+    for unit, by_default in model.fsdp_units:
+        if everywhere or by_default:
+            unit.set_requires_gradient_sync(last, recurse=False)
+            unit.set_reshard_after_backward(last, recurse=False)
 
 
 def blocks_to_reshard(block_names: list[str], plan: Plan, mode: str = "default") -> set[str]:

@@ -100,7 +100,8 @@ class ModelModule(nn.Module):
         self.runs_embedding = self.embed is not None and not self.copies
         self.pipelined = False
         self.stage_aux: Callable[[int], Any] | None = None  # a pipeline stage's aux by micro-batch, one per call
-        self.single_shard_units: list[nn.Module] = []  # FSDP units with one shard (parallel/data_parallel.py)
+        # FSDP's units, each with whether it reduces once per step by default (parallel/data_parallel.py).
+        self.fsdp_units: list[tuple[nn.Module, bool]] = []
         for layer in layers:
             for path, source in layer.tied.items():
                 owner_name, param_name = source.rsplit(".", 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dtrain.metrics import peak_flops_of
-from dtrain.plan.measured import flag_value, read_rows, run_options, setup_key
+from dtrain.plan.measured import flag_value, gpu_name, read_rows, run_options, setup_key
 from tools import fp8_tables
 from tools.shapes import SHAPES
 
@@ -71,7 +71,7 @@ def table(path: Path) -> str:
             # The convention counts a masked run's attention as dense; what it attends says more.
             mfu += f" ({r['mfu_document_attention_pct']:.1f}% attended)"
         lines.append(
-            f"| {r['shape']} | {r['gpus']}x {r['device'].replace('NVIDIA ', '')} | {r['mesh']} | {r['seq_len']} | "
+            f"| {r['shape']} | {r['gpus']}x {gpu_name(r['device'])} | {r['mesh']} | {r['seq_len']} | "
             f"{r['micro_batch']}/{r['global_batch']} | {r['precision']} | {options} | "
             f"{r['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {r['peak_mem_gb']:.1f} GB | {r['date']}, {r['commit']} |"
         )
@@ -93,7 +93,7 @@ def breakdowns(path: Path) -> str:
     def ceiling_of(r: dict, key: str) -> str:
         return ms_text(r["ceiling"][key]) if r.get("ceiling") else "-"
 
-    columns = [f"{r['shape']}, {r['gpus']}x {r['device'].replace('NVIDIA ', '')}, {r['mesh']}, "
+    columns = [f"{r['shape']}, {r['gpus']}x {gpu_name(r['device'])}, {r['mesh']}, "
                f"{' '.join(run_options(r)) or '-'}" for r in rows]
     lines = ["| ms per step (share of the profiled step) | " + " | ".join(columns) + " |",
              "|---|" + "---|" * len(rows)]
@@ -133,7 +133,7 @@ def attention_table(path: Path) -> str:
         lines.append(f"| {r['setup']} | {r['heads']} | {r['batch']} x {r['seq_len']} | {'yes' if r['compile'] else 'no'} | "
                      f"{r['ms_fwd_bwd']:.2f} | {r['tokens_per_sec']:,} | {r['model_tflops']:.0f} | {share} | "
                      f"{r['value_path'] or '-'} | "
-                     f"{r['device'].replace('NVIDIA ', '')}, {r['date']}, {r['commit']} |")
+                     f"{gpu_name(r['device'])}, {r['date']}, {r['commit']} |")
     return "\n".join(lines)
 
 
@@ -148,7 +148,7 @@ def experts_table(path: Path) -> str:
     shapes = list(dict.fromkeys(shape for shape, _, _ in newest))  # each shape's rows together, in file order
     for r in sorted(newest.values(), key=lambda r: shapes.index(r["shape"])):
         lines.append(f"| {r['shape']} | {r['experts']} x {r['expert_ffn_dim']} | {r['rows']:,} | {r['way']} | "
-                     f"{r['ms']:.2f} | {r['tflops']:.0f} | {r['device'].replace('NVIDIA ', '')}, {r['date']}, "
+                     f"{r['ms']:.2f} | {r['tflops']:.0f} | {gpu_name(r['device'])}, {r['date']}, "
                      f"{r['commit']} |")
     return "\n".join(lines)
 

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from dtrain.data.packed import write_atomic
-from dtrain.plan.measured import flag_value, read_rows, run_options
+from dtrain.plan.measured import flag_value, gpu_name, read_rows, run_options
 from models.errors import UserError
 
 # Flags that choose the precision of a run, and those that say what it puts in FP8 besides the blocks.
@@ -58,7 +58,7 @@ def recipes_table(path: Path) -> str:
     lines = ["| setup | in FP8 | " + " | ".join(recipes) + " |", "|---|---|" + "---|" * len(recipes)]
     for setup in sorted(with_te, key=lambda s: tuple(map(str, s))):
         shape, gpus, device, mesh, seq, micro, global_batch, *options = setup
-        label = (f"{shape}, {gpus}x {device.replace('NVIDIA ', '')}, {mesh}, seq {seq}, {micro}/{global_batch}, "
+        label = (f"{shape}, {gpus}x {gpu_name(device)}, {mesh}, seq {seq}, {micro}/{global_batch}, "
                  f"{' '.join(options) or '-'}")
         extents = sorted({key[1] for key in newest if key[0] == setup and key[1]}, key=lambda e: (len(e), e))
         for what in extents:

@@ -93,8 +93,9 @@ _DIM_ORDER = {dim: i for i, dim in enumerate((*MESH_DIMS, FSDP_SHARD_DIM, "edp",
 def role_text(config: Config, mesh_spec: MeshSpec, role: Role, report: ProgramReport, counts) -> str:
     where = ""
     if mesh_spec.pp > 1:
+        depth = mtp_depth(config)
         where = " | pp rank {}: ".format(role.pp_rank) + ", ".join(
-            f"stage {s} ({stage_text(counts, s, mtp_depth(config))})" for s in role.stage_ids)
+            f"stage {s} ({stage_text(counts, s, depth)})" for s in role.stage_ids)
     offload = report.param_bytes + report.grad_bytes + report.optimizer_bytes if config.parallel.cpu_offload else 0
     peak, why = peak_of_role(report, role, offload)
     lines = [

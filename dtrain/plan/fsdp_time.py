@@ -37,9 +37,10 @@ def fsdp_exposed_seconds(work: Workload, compute: float, hw: Hardware) -> float:
              + reductions * 4 * totals.share_reduced)
     total = moved / link + totals.collectives * (kept_gathers + reductions) * hw.collective_latency_s
     if mesh.dp_replicate > 1:
+        # HSDP all-reduces each unit's shards over the replicas as often as the unit reduces.
         replicas = mesh.dp_replicate
-        reduced = 4 * totals.trainable * 2 * (replicas - 1) / replicas
-        total += reductions * reduced / (hw.link_gb_s(span * replicas) * GIGA)
+        reduced = sum(u.trainable * (1 if work.reduces_once(u) else m) for u in work.all_units())
+        total += 4 * reduced * 2 * (replicas - 1) / replicas / (hw.link_gb_s(span * replicas) * GIGA)
     first, last = totals.first_gather_bytes / link, 4 * totals.last_reduced / link
     hidden = min(total - first - last, compute)
     return first + last + max(0.0, total - first - last - compute) + hw.overlap_slowdown * hidden
@@ -61,16 +62,9 @@ def optimizer_seconds(work: Workload, hw: Hardware) -> float:
 
 def accumulated_bytes(work: Workload) -> float:
     """What the gradient sums of a step's later micro-batches move: whole where a unit reduces
-    once per step (pipelining, --fsdp-reduce-once, a unit with one shard:
-    parallel.data_parallel.set_micro_batch_sync), else shard-wise. Under MoE the sums cover every
+    once per step (`Workload.reduces_once`), else shard-wise. Under MoE the sums cover every
     expert, however few each token runs."""
-    p = work.config.parallel
-    later = work.num_microbatches - 1
     whole_bytes = ACCUMULATE_WHOLE_BYTES + DTYPE_BYTES[work.config.train.precision]
-    total = 0.0
-    for unit in work.all_units():
-        if work.mesh_spec.pp > 1 or p.fsdp_reduce_once or unit.shards == 1:
-            total += whole_bytes * unit.gathered_trainable
-        else:
-            total += ACCUMULATE_SHARD_BYTES * unit.trainable
-    return later * total
+    total = sum(whole_bytes * u.gathered_trainable if work.reduces_once(u) else ACCUMULATE_SHARD_BYTES * u.trainable
+                for u in work.all_units())
+    return (work.num_microbatches - 1) * total

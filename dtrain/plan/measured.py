@@ -40,8 +40,8 @@ ALLTOALL_BY_DEFAULT = {"75c3da5", "d6e61d5", "772c521"}
 EAGER_TP_LOSS = {"3dc4650", "772c521"}
 # Setups the step-time model has no rates for (memory is still compared).
 UNTIMED = (
-    # One row, measured before 48e345c (its experts, one shard each, reduced their gradients after
-    # every micro-batch; on one GPU that cost seven DeepSeek layers 14-38% of their speed).
+    # One row, measured before 48e345c, when its experts (one shard each) still reduced their
+    # gradients after every micro-batch, which cost DeepSeek layers on one GPU much of their speed.
     (lambda data: data["model"].startswith("deepseek") and "ep=" in data["mesh"],
      "no calibrated rates for DeepSeek's many narrow experts under ep yet"),
     (lambda data: "symm_mem" in data["args"], "no term for the fused symmetric-memory matmuls"),
@@ -89,6 +89,11 @@ def run_options(row: dict, leave_out: tuple[str, ...] = ("--mesh", "--run-dir"))
 def flag_value(args: list[str], flag: str, default: str | None = None) -> str | None:
     """The value a benchmark row's dtrain arguments give `flag`, or `default`."""
     return args[args.index(flag) + 1] if flag in args else default
+
+
+def gpu_name(device: str) -> str:
+    """A benchmark row's device as the tables show it: "H200" for "NVIDIA H200"."""
+    return device.replace("NVIDIA ", "")
 
 
 def setup_key(row: dict) -> tuple:

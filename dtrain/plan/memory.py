@@ -113,7 +113,8 @@ def _backward_starts(work: Workload, gathered_trainable: int, sharded_grads: flo
     """(saved activations, gradients alive, phase) at the start of the first backward of a step,
     and of a later one, where the gradients of the micro-batches before it are kept: as fp32
     shards after each reduce-scatter, or whole in fp32 where they are reduced once per step
-    (pipeline schedules, --fsdp-reduce-once)."""
+    (pipeline schedules, --fsdp-reduce-once; a unit with one shard, which reduces once by default,
+    holds as much either way)."""
     p = work.config.parallel
     per_stage = [_stage_bytes(work, stage, kernel) for stage in work.stages]
     pipelined = work.mesh_spec.pp > 1

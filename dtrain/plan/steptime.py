@@ -198,9 +198,9 @@ def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple
         attention *= hw.masked_ring_slowdown
     elementwise = (hw.elementwise_traffic * activations.block_bytes(work, block, "none")
                    / (hw.hbm_tb_s * TERA)) * (1 if t.compile else 2)
-    # The MTP layer's weights hold all its modules; each module attends once.
-    attention *= work.repeats(block)
-    compute = (gemm + casts + attention) * MATMULS_RUN[mode] + elementwise * ELEMENTWISE_RUN[mode]
+    # The MTP layer's weights (and saved bytes) hold all its modules; each module attends, and
+    # waits for its collectives, once.
+    compute = (gemm + casts + attention * work.repeats(block)) * MATMULS_RUN[mode] + elementwise * ELEMENTWISE_RUN[mode]
     comm = 0.0
     residual = work.tokens * _residual_bytes(work)
     moe = work.is_moe(block)

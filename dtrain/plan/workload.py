@@ -22,7 +22,7 @@ from dtrain.config import Config
 from dtrain.plan.validate import with_global_batch
 from models import families, flops, mixtral, spec
 from models.config import MoEConfig, get_model_config
-from parallel import pipeline, precision
+from parallel import data_parallel, pipeline, precision
 from parallel.expert_parallel import choose_dispatch
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
@@ -113,6 +113,13 @@ class Workload:
 
     def is_moe(self, block: int) -> bool:
         return self.block_kinds[block].endswith("moe")
+
+    def reduces_once(self, unit: Unit) -> bool:
+        """Whether `unit` sums its gradients whole over the step's micro-batches and reduces them
+        after the last: under pipelining, with --fsdp-reduce-once, or by default (one shard)."""
+        p = self.config.parallel
+        return (self.mesh_spec.pp > 1 or p.fsdp_reduce_once
+                or data_parallel.reduces_once_by_default(unit.shards, p.cpu_offload))
 
     @property
     def tp_tokens(self) -> int:
