@@ -28,7 +28,7 @@ class ModelArgs:
 class ParallelArgs:
     mesh: str = _field("", "mesh sizes, e.g. tp=8,pp=8,cp=2; dp_shard (alias dp) takes the ranks left; 'auto': the "
                            "planner's best mesh, micro-batch, recompute and offload for the world size (python -m "
-                           "dtrain.plan shows the candidates)")
+                           "dtrain.planner shows the candidates)")
     sequence_parallel: bool = _field(False, "split norms and residuals over tp along the sequence")
     tp_overlap: str = _field("auto", "under --sequence-parallel, fuse each all-gather (reduce-scatter) with the "
                                      "matmul that consumes (produces) it: symm_mem (torch's symmetric-memory "

@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
             if claim.held:
                 failures.check_start(config.train.run_dir)
         if config.parallel.dry_run:
-            from dtrain.plan.dry_run import dry_run
+            from dtrain.inspect.dry_run import dry_run
 
             dry_run(config)
         elif config.parallel.print_plan:
-            from dtrain.plan.describe import print_plan
+            from dtrain.inspect.describe import print_plan
 
             print_plan(config)
         else:

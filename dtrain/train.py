@@ -14,8 +14,8 @@ import torch
 from dtrain import distributed
 from dtrain.config import Config
 from dtrain.metrics import log_file
-from dtrain.plan import advice
-from dtrain.plan.validate import validate, with_global_batch
+from dtrain.planner import advice
+from dtrain.layout.checks import validate, with_global_batch
 from dtrain.resilience import failures, run_lock
 from dtrain.resilience.heartbeat import Heartbeat, open_board
 from dtrain.resilience.watchdog import GRACE_S, Watchdog

@@ -12,14 +12,14 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from dtrain import build, distributed
+from dtrain import distributed, rank_model
 from dtrain.checkpoint.checkpointer import Checkpointer
 from dtrain.config import Config, to_toml
 from dtrain.data import TokenDataset
 from dtrain.distributed import Runtime
 from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
-from dtrain.plan.validate import build_plan, validate
+from dtrain.layout.checks import build_plan, validate
 from dtrain.rank_inputs import RankInputs
 from dtrain.resilience.faults import FaultInjector
 from dtrain.resilience.heartbeat import Heartbeat
@@ -28,7 +28,7 @@ from dtrain.resilience.stop_request import StopRequest
 from dtrain.resilience.stragglers import Stragglers
 from dtrain.resilience.watchdog import Watchdog
 from dtrain.step_stats import StepStats, ep_line
-from dtrain.training_model import build_training_model
+from dtrain.rank_model import build_training_model
 from models import families, flops, moe, mtp, spec
 from parallel import precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
@@ -111,7 +111,7 @@ class Trainer:
         self.dp_rank = (self.mesh.get_local_rank("dp_replicate") * self.mesh_spec.dp_shard
                         + self.mesh.get_local_rank("dp_shard"))
         # The loss is summed over the data-parallel ranks, and taken from the last pipeline stage.
-        self.loss_groups = build.loss_reduction_groups(self.mesh, self.mesh_spec)
+        self.loss_groups = rank_model.loss_reduction_groups(self.mesh, self.mesh_spec)
         self.pp_group = self.mesh.get_group("pp") if self.mesh_spec.pp > 1 else None
         self.tp_group = self.mesh.get_group("tp") if self.mesh_spec.tp > 1 else None
         router_groups = [g for g in self.loss_groups if g is not self.pp_group]

@@ -30,7 +30,7 @@ def reduces_once_by_default(shards: int, cpu_offload: bool) -> bool:
     """Whether an FSDP unit split over `shards` ranks reduces its gradients once per step without
     --fsdp-reduce-once (`set_micro_batch_sync`): with one shard the whole fp32 gradients take the
     memory the fp32 shards would, unless CPU offload keeps the shards in host memory. The planner
-    (dtrain/plan/workload.py) asks the same."""
+    (dtrain/planner/workload.py) asks the same."""
     return shards == 1 and not cpu_offload
 
 

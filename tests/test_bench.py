@@ -13,7 +13,7 @@ from tools import bench, bench_tables
 
 def test_cpu_run_prints_one_json_line_with_its_profile_and_ceiling(tmp_path):
     from dtrain.config import load_config
-    from dtrain.plan import steptime
+    from dtrain.planner import steptime
     from tools.profile_breakdown import CATEGORIES
 
     args = ["--run-dir", str(tmp_path / "run"), "--precision", "fp32", "--seq-len", "64", "--micro-batch", "2"]

@@ -21,7 +21,7 @@ from dtrain.checkpoint import storage as ckpt
 from dtrain.config import OptimArgs, load_config, to_toml
 from dtrain.data import TokenDataset
 from dtrain.optim import lr_multiplier
-from dtrain.plan.validate import validate, with_global_batch
+from dtrain.layout.checks import validate, with_global_batch
 from dtrain.run import main
 from dtrain.trainer import Trainer
 from models.errors import UserError

@@ -117,7 +117,7 @@ def test_cpu_offload_keeps_shards_in_host_memory_on_a_gpu(tmp_path):
 
     from dtrain import distributed
     from dtrain.config import load_config
-    from dtrain.plan.validate import validate, with_global_batch
+    from dtrain.layout.checks import validate, with_global_batch
     from dtrain.trainer import Trainer
 
     histories = {}

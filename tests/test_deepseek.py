@@ -382,7 +382,7 @@ def test_pipeline_stages_balance_the_experts_a_token_runs_through():
 
 def test_print_plan_names_the_mtp_layer_on_the_last_stage(capsys):
     from dtrain.config import load_config
-    from dtrain.plan.describe import print_plan
+    from dtrain.inspect.describe import print_plan
 
     print_plan(load_config(["--model", "tiny-mla", "--mesh", "pp=2", "--world-size", "2"]))
     stages = capsys.readouterr().out.split("pp rank")[1].splitlines()[1:3]

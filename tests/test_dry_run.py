@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dtrain import build
+from dtrain import rank_model
 from dtrain.config import load_config
-from dtrain.plan.accounting import Accounting
-from dtrain.plan.dry_run import dry_run
-from dtrain.plan.roles import find_roles
-from dtrain.plan.validate import build_plan, validate, with_global_batch
+from dtrain.inspect.accounting import Accounting
+from dtrain.inspect.dry_run import dry_run
+from dtrain.inspect.roles import find_roles
+from dtrain.layout.checks import build_plan, validate, with_global_batch
 from dtrain.run import main
 from models import families, spec
 from models.errors import UserError
@@ -33,7 +33,7 @@ def _checked(args: list[str], world_size: int):
 
 def _roles(args: list[str], world_size: int):
     config, mesh_spec, model_cfg, plan = _checked(args, world_size)
-    counts = build.blocks_per_stage(config, model_cfg, mesh_spec)
+    counts = rank_model.blocks_per_stage(config, model_cfg, mesh_spec)
     return find_roles(plan, model_cfg, counts, schedule="1f1b", virtual=1, seq_len=config.data.seq_len), counts
 
 
@@ -65,7 +65,7 @@ def test_accounting_counts_fsdp_gathers_reductions_and_live_shards(fake_world):
     numel = sum(math.prod(p.shape) for layer in layers for _, p in spec.flatten(layer.params))
     with fake_world(2):
         mesh = build_device_mesh(mesh_spec, "cpu")
-        built = build.build_model_parts(config, model_cfg, plan, mesh, expert_mesh=None, device=torch.device("meta"),
+        built = rank_model.build_model_parts(config, model_cfg, plan, mesh, expert_mesh=None, device=torch.device("meta"),
                                         ep_dispatch=None)
         model = built.parts[0]
         with FakeTensorMode(allow_non_fake_inputs=True), Accounting({"dp_shard": mesh.get_group("dp_shard")}) as acct:
@@ -102,8 +102,8 @@ def pipelined_dry_run():
 
 def test_pipelined_dry_run_of_64_ranks(pipelined_dry_run):
     config, mesh_spec, model_cfg, plan = _checked(DRY_ARGS, 64)
-    m = build.num_microbatches(config, mesh_spec)
-    counts = build.blocks_per_stage(config, model_cfg, mesh_spec)
+    m = rank_model.num_microbatches(config, mesh_spec)
+    counts = rank_model.blocks_per_stage(config, model_cfg, mesh_spec)
     assert [role.ranks for role, _ in pipelined_dry_run] == [tuple(range(32)), tuple(range(32, 64))]
     layers = families.layers(model_cfg)
     for (role, report), stage in zip(pipelined_dry_run, (0, 1)):

@@ -120,7 +120,7 @@ def test_projections_are_separate_matmuls_unless_asked(monkeypatch):
 def _train_in_process(tmp_path, extra: list[str]) -> list[dict[str, float]]:
     from dtrain import distributed
     from dtrain.config import load_config
-    from dtrain.plan.validate import with_global_batch
+    from dtrain.layout.checks import with_global_batch
     from dtrain.trainer import Trainer
     from tests.launch import TINY_ARGS
 

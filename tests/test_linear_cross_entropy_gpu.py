@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dtrain.config import load_config
-from dtrain.plan import activations
-from dtrain.plan.workload import workload
+from dtrain.planner import activations
+from dtrain.planner.workload import workload
 from models import llama, spec
 from models.config import get_model_config
 from models.context import LocalContext

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dtrain.config import load_config
-from dtrain.plan import activations, measured, memory, steptime
-from dtrain.plan.workload import workload
+from dtrain.planner import activations, measured, memory, steptime
+from dtrain.planner.workload import workload
 from models import families, spec
 from models.config import get_model_config
 from models.context import LocalContext

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from dtrain.config import load_config
-from dtrain.plan.validate import DEFAULT_MICROBATCHES_PER_STAGE, validate, with_global_batch
+from dtrain.layout.checks import DEFAULT_MICROBATCHES_PER_STAGE, validate, with_global_batch
 from models.errors import UserError
 from parallel import pipeline
 from tests.launch import train_scalars

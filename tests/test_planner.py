@@ -1,4 +1,4 @@
-"""The planner (python -m dtrain.plan), --mesh auto, --print-plan's memory, and the report of a
+"""The planner (python -m dtrain.planner), --mesh auto, --print-plan's memory, and the report of a
 CUDA out-of-memory error."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dtrain.config import load_config
-from dtrain.plan import __main__ as plan_cli
-from dtrain.plan import advice, memory
-from dtrain.plan.search import Target, search
-from dtrain.plan.validate import validate
+from dtrain.planner import __main__ as plan_cli
+from dtrain.planner import advice, memory
+from dtrain.planner.search import Target, search
+from dtrain.layout.checks import validate
 from dtrain.run import main
 from tests.launch import REPO, TINY_ARGS
 
@@ -131,12 +131,12 @@ def test_a_model_that_fits_nowhere_gets_one_line_naming_what_would(capsys):
 def test_bad_planner_input_is_one_clear_line(argv, message, capsys):
     assert plan_cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("dtrain.plan: error: ") and message in err and "\n" not in err
+    assert err.startswith("dtrain.planner: error: ") and message in err and "\n" not in err
 
 
 def test_validate_writes_its_table_into_the_readme_between_markers(tmp_path, capsys):
     readme = tmp_path / "README.md"
-    command = f"python -m dtrain.plan --validate {REPO / 'benchmarks' / 'results.jsonl'}"
+    command = f"python -m dtrain.planner --validate {REPO / 'benchmarks' / 'results.jsonl'}"
     readme.write_text(f"intro\n<!-- {command} -->\nSTALE TABLE\n{plan_cli.END_MARKER}\noutro\n")
     assert plan_cli.main(["--validate", str(REPO / "benchmarks" / "results.jsonl"), "--readme", str(readme)]) == 0
     text = readme.read_text()
@@ -189,5 +189,5 @@ def test_out_of_memory_reports_the_prediction_and_the_nearest_layout_that_fits(t
                      "GPU 0 has a total capacity of 79.19 GiB of which 1.2 GiB is free.)"
     assert err[1].startswith("  predicted for this rank: ") and " of 80 GB at the " in err[1]
     assert err[2].startswith("  nearest layout that fits: --mesh ")
-    assert err[3].startswith("  python -m dtrain.plan --model tiny --gpus 1 --gpu-memory-gb 80")
+    assert err[3].startswith("  python -m dtrain.planner --model tiny --gpus 1 --gpu-memory-gb 80")
     assert len(err) == 4

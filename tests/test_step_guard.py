@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from dtrain import distributed
 from dtrain.checkpoint import storage as ckpt
 from dtrain.config import load_config
-from dtrain.plan.validate import validate, with_global_batch
+from dtrain.layout.checks import validate, with_global_batch
 from dtrain.resilience.faults import SPIKE_FACTOR
 from dtrain.resilience.step_guard import StepGuard
 from dtrain.trainer import Trainer

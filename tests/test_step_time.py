@@ -7,7 +7,7 @@ import torch
 
 from dtrain.config import load_config
 from dtrain.data.dataset import TokenDataset
-from dtrain.plan import fsdp_time, measured, steptime
+from dtrain.planner import fsdp_time, measured, steptime
 from models import masking
 from tests.launch import REPO
 
@@ -54,7 +54,7 @@ def test_each_lever_moves_the_step_time_the_way_it_should():
 
 
 def test_collectives_across_nodes_use_the_network_bandwidth():
-    from dtrain.plan.hardware import H200
+    from dtrain.planner.hardware import H200
 
     assert H200.link_gb_s(8) == H200.nvlink_gb_s and H200.link_gb_s(16) == H200.inter_node_gb_s
     inside = _step("--mesh", "dp=2,tp=8", "--sequence-parallel", world=16)
@@ -76,7 +76,7 @@ def test_mfu_follows_the_benchmark_convention():
 
 
 def test_the_ceiling_is_the_gemms_and_attention_alone_at_the_measured_rates():
-    from dtrain.plan.hardware import H200, TERA
+    from dtrain.planner.hardware import H200, TERA
     from models import flops
     from models.config import get_model_config
 
@@ -118,7 +118,7 @@ def test_attention_within_synthetic_documents_counts_the_keys_the_data_loader_gi
 
 
 def test_gradient_sums_over_micro_batches_cover_every_expert_whole_where_a_unit_reduces_once():
-    from dtrain.plan.workload import workload
+    from dtrain.planner.workload import workload
 
     def summed(*args: str, world: int = 1) -> float:
         config = load_config(["--model", "mixtral-small", "--seq-len", "4096", *args])

@@ -140,7 +140,7 @@ MOE = ["--model", "tiny-moe", "--steps", "2", "--seed", "0", "--seq-len", "64", 
 def _train(run_dir, extra: list[str]) -> list[float]:
     from dtrain import distributed
     from dtrain.config import load_config
-    from dtrain.plan.validate import with_global_batch
+    from dtrain.layout.checks import with_global_batch
     from dtrain.trainer import Trainer
 
     config = with_global_batch(load_config([*MOE, "--run-dir", str(run_dir), *extra]), 1)

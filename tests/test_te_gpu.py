@@ -203,7 +203,7 @@ def test_fp8_state_round_trips_through_a_checkpoint(tmp_path):
     from dtrain import distributed
     from dtrain.checkpoint import storage
     from dtrain.config import load_config
-    from dtrain.plan.validate import with_global_batch
+    from dtrain.layout.checks import with_global_batch
     from dtrain.trainer import Trainer
 
     reference = _train(tmp_path / "a", ["--global-batch", "4", *TE_DELAYED, "--checkpoint-every", "5"], steps=10)

@@ -204,7 +204,7 @@ def _train(run_dir: Path, extra: list[str], steps: int = 3, recipe: str = "delay
     """The tiny model trained in this process with the fake TE (already installed)."""
     from dtrain import distributed
     from dtrain.config import load_config
-    from dtrain.plan.validate import with_global_batch
+    from dtrain.layout.checks import with_global_batch
     from dtrain.trainer import Trainer
 
     config = with_global_batch(load_config([*TINY_ARGS, "--steps", str(steps), "--run-dir", str(run_dir), *TE,

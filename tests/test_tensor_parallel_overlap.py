@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtrain.config import load_config
-from dtrain.plan.validate import validate, with_global_batch
+from dtrain.layout.checks import validate, with_global_batch
 from models import llama, spec
 from models.config import get_model_config
 from models.errors import UserError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dtrain import distributed
 from dtrain.config import load_config
-from dtrain.plan.validate import validate, with_global_batch
+from dtrain.layout.checks import validate, with_global_batch
 from dtrain.resilience import failures
 from dtrain.trainer import Trainer
 from tests.launch import TINY_ARGS

@@ -14,7 +14,7 @@ its markers, the breakdown of the newest profiled run of each setup beside its c
 `--profile DIR` profiles 3 steps after warm-up and writes where each rank's time went: every
 kernel in one category (GEMMs, attention, the loss, element-wise and norms, the optimizer, FSDP's
 copies, other, communication) or idle (tools/profile_breakdown.py), beside the ceiling of the
-step, its GEMMs and attention alone at the planner's rates (dtrain/plan/steptime.py). Every JSON
+step, its GEMMs and attention alone at the planner's rates (dtrain/planner/steptime.py). Every JSON
 line carries the ceiling; a profiled one carries rank 0's breakdown too.
 
 `--attention SETUP|all` times attention sub-blocks alone instead, llama-1b's GQA beside DeepSeek's
@@ -103,11 +103,11 @@ class Profiler:
 
 
 def ceiling_line(ceiling: dict | None) -> str:
-    """The ceiling of a step in words (dtrain/plan/steptime.py's Ceiling.as_dict)."""
+    """The ceiling of a step in words (dtrain/planner/steptime.py's Ceiling.as_dict)."""
     if ceiling is None:
         return "ceiling: -"
     bubble = f" + bubble {ms_text(ceiling['bubble_s'])}" if ceiling["bubble_s"] else ""
-    return (f"ceiling, GEMMs and attention alone at the planner's H200 rates (dtrain/plan/hardware.py): "
+    return (f"ceiling, GEMMs and attention alone at the planner's H200 rates (dtrain/planner/hardware.py): "
             f"{ms_text(ceiling['seconds'])} ms per step (GEMMs {ms_text(ceiling['gemm_s'])} + attention "
             f"{ms_text(ceiling['attention_s'])}{bubble}), {ceiling['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU, "
             f"MFU {ceiling['mfu_pct']:.1f}%")
@@ -117,8 +117,8 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
     import torch
 
     from dtrain.config import load_config
-    from dtrain.plan import advice, steptime
-    from dtrain.plan.validate import with_global_batch
+    from dtrain.planner import advice, steptime
+    from dtrain.layout.checks import with_global_batch
     from dtrain.train import train
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -4,14 +4,14 @@ each setup, the step breakdowns of profiled runs beside their ceilings, the FP8 
 and their loss curves (tools/fp8_tables.py), attention sub-blocks and routed experts alone
 (benchmarks/attention.jsonl, experts.jsonl), and pipeline bubbles measured from pairs of runs
 (`--bubble`). A results file that is missing or holds a broken line is a one-line error
-(`dtrain.plan.measured.read_rows`)."""
+(`dtrain.planner.measured.read_rows`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from dtrain.metrics import peak_flops_of
-from dtrain.plan.measured import flag_value, gpu_name, read_rows, run_options, setup_key
+from dtrain.planner.measured import flag_value, gpu_name, read_rows, run_options, setup_key
 from tools import fp8_tables
 from tools.shapes import SHAPES
 

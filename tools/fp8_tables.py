@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from dtrain.data.packed import write_atomic
-from dtrain.plan.measured import flag_value, gpu_name, read_rows, run_options
+from dtrain.planner.measured import flag_value, gpu_name, read_rows, run_options
 from models.errors import UserError
 
 # Flags that choose the precision of a run, and those that say what it puts in FP8 besides the blocks.

@@ -19,7 +19,7 @@ import math
 import attrs
 
 from dtrain.config import Config
-from dtrain.plan.validate import with_global_batch
+from dtrain.layout.checks import with_global_batch
 from models import families, flops, mixtral, spec
 from models.config import MoEConfig, get_model_config
 from parallel import data_parallel, pipeline, precision

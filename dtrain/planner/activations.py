@@ -17,7 +17,7 @@ import math
 
 import attrs
 
-from dtrain.plan.workload import Workload
+from dtrain.planner.workload import Workload
 from models.config import MoEConfig
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}

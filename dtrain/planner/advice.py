@@ -11,9 +11,9 @@ import attrs
 import torch
 
 from dtrain.config import Config
-from dtrain.plan import memory
-from dtrain.plan.hardware import GIGA
-from dtrain.plan.search import Candidate, Target, fp8_flags, nothing_fits, search
+from dtrain.planner import memory
+from dtrain.planner.hardware import GIGA
+from dtrain.planner.search import Candidate, Target, fp8_flags, nothing_fits, search
 from models.errors import UserError
 from parallel.mesh import MeshSpec
 
@@ -119,6 +119,6 @@ def out_of_memory_report(config: Config, world_size: int, rank: int, error: Base
     nearest = min(fits, key=lambda c: (_distance(c, config, mesh), -c.tokens_per_sec_per_gpu))
     lines.append(f"  nearest layout that fits: {summary(nearest)}")
     fp8 = "".join(f" {flag}" for flag in fp8_flags(target))
-    lines.append(f"  python -m dtrain.plan --model {target.model} --gpus {world_size} --gpu-memory-gb {limit:g} "
+    lines.append(f"  python -m dtrain.planner --model {target.model} --gpus {world_size} --gpu-memory-gb {limit:g} "
                  f"--seq-len {target.seq_len} --global-batch {target.global_batch}{fp8} lists the fastest")
     return "\n".join(lines)

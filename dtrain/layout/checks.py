@@ -10,7 +10,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from dtrain import build
+from dtrain import rank_model
 from dtrain.config import Config
 from dtrain.data import validate_data_args
 from models.config import DeepSeekConfig, LlamaConfig, MoEConfig, get_model_config
@@ -37,7 +37,7 @@ def validate(config: Config, world_size: int) -> tuple[MeshSpec, LlamaConfig]:
     _check_sequence_split(config, model_cfg, mesh_spec)
     _check_options(config, model_cfg, mesh_spec)
     recompute.validate_partial(config.train.recompute_layers, config.train.recompute,
-                               build.blocks_per_stage(config, model_cfg, mesh_spec))
+                               rank_model.blocks_per_stage(config, model_cfg, mesh_spec))
     validate_data_args(config.data.data, config.data.tokenizer, config.data.split,
                        config.data.synthetic_document_length)
     return mesh_spec, model_cfg
@@ -138,7 +138,7 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
     if p.cpu_offload and t.fp8 == "tensorwise" and t.fp8_all_gather:
         raise UserError("--cpu-offload keeps the weights' shards in host memory, where the float8 all-gather's "
                         "scales cannot be computed; add --no-fp8-all-gather (the FP8 matmuls stay)")
-    if build.tp_overlap_method(config, mesh_spec) is not None and (config.data.seq_len // mesh_spec.cp) % tp:
+    if rank_model.tp_overlap_method(config, mesh_spec) is not None and (config.data.seq_len // mesh_spec.cp) % tp:
         raise UserError(f"--tp-overlap splits each rank's {config.data.seq_len // mesh_spec.cp} tokens of a sequence "
                         f"into tp={tp} equal shards; use a --seq-len divisible by {tp * mesh_spec.cp}, or "
                         f"--tp-overlap none")
@@ -218,4 +218,4 @@ def with_global_batch(config: Config, world_size: int) -> Config:
 def build_plan(config: Config, mesh_spec: MeshSpec, model_cfg: LlamaConfig) -> Plan:
     return Plan.build(mesh_spec, sequence_parallel=config.parallel.sequence_parallel,
                       num_kv_heads=model_cfg.num_kv_heads,
-                      tp_overlap=build.tp_overlap_method(config, mesh_spec) is not None)
+                      tp_overlap=rank_model.tp_overlap_method(config, mesh_spec) is not None)

@@ -1,7 +1,7 @@
 """The models against the GPU: predicted and measured peak memory and tokens/s for the rows of
 benchmarks/results.jsonl that `python -m tools.bench --table` shows (the newest run of each setup).
 
-    python -m dtrain.plan --validate benchmarks/results.jsonl [--readme README.md]
+    python -m dtrain.planner --validate benchmarks/results.jsonl [--readme README.md]
 
 Some rows were measured on code that has changed since in ways that change what they measured;
 they are listed with the reason and left out (`EXCLUDED`). The tests keep every other row within
@@ -160,8 +160,8 @@ class Comparison:
 
 def compare(path: Path) -> list[Comparison]:
     """Predictions for every newest row (excluded ones too: the table lists them apart)."""
-    from dtrain.plan.memory import predict_peak
-    from dtrain.plan.steptime import predict_step
+    from dtrain.planner.memory import predict_peak
+    from dtrain.planner.steptime import predict_step
 
     return [Comparison(row, predict_peak(row.config, row.gpus)[0].total / 1e9,
                        predict_step(row.config, row.gpus).tokens_per_sec_per_gpu) for row in newest_rows(path)]

@@ -1,12 +1,12 @@
-"""FSDP's and the optimizer's share of a step (dtrain/plan/steptime.py): the collectives that
+"""FSDP's and the optimizer's share of a step (dtrain/planner/steptime.py): the collectives that
 compute cannot hide, the copies into and out of their buffers, the sums of the gradients over a
 step's micro-batches, and the AdamW step."""
 
 from __future__ import annotations
 
-from dtrain.plan.activations import DTYPE_BYTES
-from dtrain.plan.hardware import GIGA, TERA, Hardware
-from dtrain.plan.workload import Workload
+from dtrain.planner.activations import DTYPE_BYTES
+from dtrain.planner.hardware import GIGA, TERA, Hardware
+from dtrain.planner.workload import Workload
 
 # Bytes of AdamW state touched per trainable element in one fused step, with the gradient-norm
 # pass: read and write the fp32 weight and both moments, read the fp32 gradient (twice).

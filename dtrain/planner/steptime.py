@@ -1,6 +1,6 @@
 """The step-time model: seconds per optimizer step, tokens/s per GPU and MFU of a configuration.
 
-    from dtrain.plan.steptime import predict_step
+    from dtrain.planner.steptime import predict_step
     step = predict_step(config, world_size=1024)       # hardware: H200 unless given
     step.seconds, step.tokens_per_sec_per_gpu, step.mfu
 
@@ -26,11 +26,11 @@ import math
 import attrs
 
 from dtrain.config import Config
-from dtrain.plan import activations
-from dtrain.plan.activations import DTYPE_BYTES
-from dtrain.plan.fsdp_time import fsdp_exposed_seconds, optimizer_seconds
-from dtrain.plan.hardware import GIGA, H200, TERA, Hardware
-from dtrain.plan.workload import Stage, Workload, workload
+from dtrain.planner import activations
+from dtrain.planner.activations import DTYPE_BYTES
+from dtrain.planner.fsdp_time import fsdp_exposed_seconds, optimizer_seconds
+from dtrain.planner.hardware import GIGA, H200, TERA, Hardware
+from dtrain.planner.workload import Stage, Workload, workload
 from models import flops
 from models.config import MoEConfig
 from parallel import pipeline, precision

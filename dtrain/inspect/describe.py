@@ -3,10 +3,10 @@ memory per rank, printed without training."""
 
 from __future__ import annotations
 
-from dtrain import build, distributed
+from dtrain import distributed, rank_model
 from dtrain.config import Config
-from dtrain.plan import advice, memory
-from dtrain.plan.validate import build_plan, validate, with_global_batch
+from dtrain.planner import advice, memory
+from dtrain.layout.checks import build_plan, validate, with_global_batch
 from models import families, flops
 from models.config import get_model_config
 from parallel import pipeline
@@ -31,7 +31,7 @@ def print_plan(config: Config) -> None:
     plan = build_plan(config, mesh_spec, model_cfg)
     print(plan.describe(families.layers(model_cfg)))
     if mesh_spec.pp > 1:
-        print(describe_stages(config, mesh_spec, build.blocks_per_stage(config, model_cfg, mesh_spec)))
+        print(describe_stages(config, mesh_spec, rank_model.blocks_per_stage(config, model_cfg, mesh_spec)))
     print("\n".join(memory_lines(config, mesh_spec)))
 
 
@@ -60,7 +60,7 @@ def describe_stages(config: Config, mesh_spec: MeshSpec, blocks_per_stage: list[
         ranks_of_pp_rank.setdefault(mesh_spec.coordinates(rank)["pp"], []).append(rank)
     pp_rank_of_stage = {stage: pp_rank for pp_rank in range(mesh_spec.pp)
                         for stage in pipeline.stage_ids(pp_rank, mesh_spec.pp, p.pp_virtual_stages, p.pp_schedule)}
-    m = build.num_microbatches(config, mesh_spec)
+    m = rank_model.num_microbatches(config, mesh_spec)
     rows = [("stage", "blocks", "layers", "pp rank", "ranks")]
     depth = mtp_depth(config)
     for stage, count in enumerate(blocks_per_stage):
@@ -87,7 +87,7 @@ def rank_ranges(ranks: tuple[int, ...]) -> str:
 
 def memory_lines(config: Config, mesh_spec: MeshSpec) -> list[str]:
     """The predicted peak GPU memory of each pipeline stage's ranks (every rank of a stage holds
-    the same), as python -m dtrain.plan predicts it for H200-class GPUs."""
+    the same), as python -m dtrain.planner predicts it for H200-class GPUs."""
     ranks_of_pp_rank: dict[int, list[int]] = {}
     for rank in range(mesh_spec.world_size):
         ranks_of_pp_rank.setdefault(mesh_spec.coordinates(rank)["pp"], []).append(rank)

@@ -3,7 +3,7 @@
 Rates are measured on H200s (BENCHMARKS.md, TORCH-NOTES.md), not datasheet figures, and the few
 that no microbenchmark pins down (how fast attention and the element-wise kernels run in a whole
 step, how much overlapped collectives slow compute) are fitted on benchmarks/results.jsonl
-(`python -m dtrain.plan --validate`). Inter-node bandwidth is a setting: no row measures it.
+(`python -m dtrain.planner --validate`). Inter-node bandwidth is a setting: no row measures it.
 """
 
 from __future__ import annotations

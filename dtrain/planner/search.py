@@ -1,6 +1,6 @@
 """The planner: every layout of a model on a number of GPUs, the ones that fit, the fastest first.
 
-    from dtrain.plan.search import Target, search
+    from dtrain.planner.search import Target, search
     target = Target(model="llama3-70b", gpus=128, gpu_memory_gb=80, seq_len=8192, global_batch=1024)
     best = search(target)[:3]         # Candidates: mesh, micro-batch, recompute, memory, tokens/s
     print(best[0].command)
@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import attrs
 
 from dtrain.config import Config, DataArgs, ModelArgs, ParallelArgs, TrainArgs
-from dtrain.plan import memory, steptime
-from dtrain.plan.hardware import GIGA, H200, Hardware
-from dtrain.plan.workload import Workload, workload
+from dtrain.planner import memory, steptime
+from dtrain.planner.hardware import GIGA, H200, Hardware
+from dtrain.planner.workload import Workload, workload
 from models.config import MoEConfig, get_model_config
 from models.errors import UserError
 

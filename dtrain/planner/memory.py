@@ -1,6 +1,6 @@
 """The memory model: the peak of one rank's GPU memory in a training step, by category.
 
-    from dtrain.plan.memory import predict
+    from dtrain.planner.memory import predict
     breakdown = predict(config, world_size=128, rank=0)
     breakdown.total                     # bytes, as torch.cuda.max_memory_allocated would see
     print("\\n".join(breakdown.lines()))
@@ -18,9 +18,9 @@ from __future__ import annotations
 import attrs
 
 from dtrain.config import Config
-from dtrain.plan import activations
-from dtrain.plan.activations import CUDA, DTYPE_BYTES, KernelFacts
-from dtrain.plan.workload import Stage, Workload, workload
+from dtrain.planner import activations
+from dtrain.planner.activations import CUDA, DTYPE_BYTES, KernelFacts
+from dtrain.planner.workload import Stage, Workload, workload
 from parallel import pipeline
 
 GB = 1e9

@@ -10,10 +10,10 @@ from collections import defaultdict
 import attrs
 
 from dtrain.config import Config
-from dtrain.plan import memory
-from dtrain.plan.accounting import CollectiveTally
-from dtrain.plan.describe import mtp_depth, rank_ranges, stage_text
-from dtrain.plan.roles import Role
+from dtrain.planner import memory
+from dtrain.inspect.accounting import CollectiveTally
+from dtrain.inspect.describe import mtp_depth, rank_ranges, stage_text
+from dtrain.inspect.roles import Role
 from parallel.mesh import FSDP_SHARD_DIM, MESH_DIMS, MeshSpec
 
 

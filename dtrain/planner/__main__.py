@@ -1,14 +1,14 @@
-"""`python -m dtrain.plan`: the best layouts of a model on a number of GPUs, or the memory and
+"""`python -m dtrain.planner`: the best layouts of a model on a number of GPUs, or the memory and
 step-time models against the measured benchmark rows.
 
-    python -m dtrain.plan --model llama3-70b --gpus 1024 --gpus-per-node 8 --gpu-memory-gb 80 \\
+    python -m dtrain.planner --model llama3-70b --gpus 1024 --gpus-per-node 8 --gpu-memory-gb 80 \\
         --seq-len 8192 --global-batch 1024 [--fp8 tensorwise] [--top 3] [--json]
-    python -m dtrain.plan --model llama3-8b --gpus 64 --global-batch 256 \\
+    python -m dtrain.planner --model llama3-8b --gpus 64 --global-batch 256 \\
         --fp8 delayed --fp8-backend te --fp8-head          # Transformer Engine's FP8, the head too
-    python -m dtrain.plan --validate benchmarks/results.jsonl [--readme README.md]
+    python -m dtrain.planner --validate benchmarks/results.jsonl [--readme README.md]
 
 With --readme, the output is also written into that file between the markers that name the
-same command (`<!-- python -m dtrain.plan ARGS -->` ... `<!-- end of python -m dtrain.plan -->`).
+same command (`<!-- python -m dtrain.planner ARGS -->` ... `<!-- end of python -m dtrain.planner -->`).
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ import sys
 import time
 from pathlib import Path
 
-from dtrain.plan.hardware import H200
-from dtrain.plan.search import Candidate, Target, fp8_flags, nothing_fits, search
-from dtrain.plan.validate import check_experts, check_head
+from dtrain.planner.hardware import H200
+from dtrain.planner.search import Candidate, Target, fp8_flags, nothing_fits, search
+from dtrain.layout.checks import check_experts, check_head
 from models.config import get_model_config
 from models.errors import UserError
 from parallel.precision import FP8_RECIPES, check_fp8_recipe
 
-END_MARKER = "<!-- end of python -m dtrain.plan -->"
+END_MARKER = "<!-- end of python -m dtrain.planner -->"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dtrain.plan", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dtrain.planner", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model preset (python -m dtrain.run --help lists them)")
     parser.add_argument("--model-overrides", default="", help="changes to the preset's shape, e.g. num_layers=40")
@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         text = run(args)
         if args.readme:
             without = [a for i, a in enumerate(argv) if a != "--readme" and (i == 0 or argv[i - 1] != "--readme")]
-            write_into_readme(args.readme, " ".join(["python -m dtrain.plan", *without]), text)
+            write_into_readme(args.readme, " ".join(["python -m dtrain.planner", *without]), text)
     except UserError as error:
-        print(f"dtrain.plan: error: {error}", file=sys.stderr)
+        print(f"dtrain.planner: error: {error}", file=sys.stderr)
         return 2
     print(text)
     return 0
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> str:
     if args.validate:
-        from dtrain.plan.measured import validation_text
+        from dtrain.planner.measured import validation_text
 
         if not args.validate.is_file():
             raise UserError(f"--validate {args.validate}: no such file")

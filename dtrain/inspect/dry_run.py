@@ -5,7 +5,7 @@ size, on fake tensors over a fake process group, in this one process.
 
 The configuration is checked as a real run checks it (the same one-line errors), the ranks are
 grouped into roles (`roles.py`), and for each program one rank of it builds its model with the
-trainer's own code (`dtrain.build`: parallelize, pipeline split, FSDP), materializes it, and runs
+trainer's own code (`dtrain.rank_model`: parallelize, pipeline split, FSDP), materializes it, and runs
 forward, backward, gradient clipping and the AdamW step as on GPUs (the fused kernel), while
 `accounting.py` counts its live bytes and its collectives.
 
@@ -32,14 +32,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-from dtrain import build, distributed
+from dtrain import distributed, rank_model
 from dtrain.config import Config
 from dtrain.optim import build_optimizer
-from dtrain.plan.accounting import Accounting, CollectiveTally
-from dtrain.plan.describe import planned_world_size
-from dtrain.plan.dry_run_report import ProgramReport, StageCost, header_text, role_text
-from dtrain.plan.roles import Role, find_roles
-from dtrain.plan.validate import build_plan, validate, with_global_batch
+from dtrain.inspect.accounting import Accounting, CollectiveTally
+from dtrain.inspect.describe import planned_world_size
+from dtrain.inspect.dry_run_report import ProgramReport, StageCost, header_text, role_text
+from dtrain.inspect.roles import Role, find_roles
+from dtrain.layout.checks import build_plan, validate, with_global_batch
 from models import families
 from models.config import MoEConfig
 from models.errors import UserError
@@ -79,7 +79,7 @@ def dry_run(config: Config) -> list[tuple[Role, ProgramReport]]:
         raise UserError(f"--dry-run-rank {p.dry_run_rank} is not a rank of a world of {world_size}; "
                         f"use 0..{world_size - 1}")
     plan = build_plan(config, mesh_spec, model_cfg)
-    counts = build.blocks_per_stage(config, model_cfg, mesh_spec)
+    counts = rank_model.blocks_per_stage(config, model_cfg, mesh_spec)
     full = full_recompute_blocks(counts, config.train.recompute_layers)
     fp8 = precision.fp8_blocks(model_cfg.num_layers, config.train.fp8_keep_ends) if config.train.fp8 else frozenset()
     roles = find_roles(plan, model_cfg, counts, schedule=p.pp_schedule, virtual=p.pp_virtual_stages,
@@ -87,7 +87,7 @@ def dry_run(config: Config) -> list[tuple[Role, ProgramReport]]:
     if p.dry_run_rank is not None:
         role = next(r for r in roles if p.dry_run_rank in r.ranks)
         roles = [attrs.evolve(role, ranks=(p.dry_run_rank,))]
-    m = build.num_microbatches(config, mesh_spec)
+    m = rank_model.num_microbatches(config, mesh_spec)
     print(header_text(config, mesh_spec, world_size, m, roles, counts), flush=True)
     programs: dict = {}
     for role in roles:
@@ -122,7 +122,7 @@ def _run_program(config: Config, world_size: int, role: Role, pp_ranks: list[int
         plan = build_plan(config, mesh_spec, model_cfg)
         ep_dispatch = (choose_dispatch(config.parallel.ep_dispatch, mesh_spec.ep, model_cfg.top_k,
                                        dropless=model_cfg.capacity_factor is None) if mesh_spec.ep > 1 else None)
-        built = build.build_model_parts(config, model_cfg, plan, mesh, expert_mesh=expert_mesh,
+        built = rank_model.build_model_parts(config, model_cfg, plan, mesh, expert_mesh=expert_mesh,
                                         device=torch.device("meta"), ep_dispatch=ep_dispatch,
                                         fp8_linear=precision.fp8_linear(config.train.fp8, torch.device("cpu"),
                                                                         config.train.fp8_all_gather))
@@ -148,13 +148,13 @@ def _run_program(config: Config, world_size: int, role: Role, pp_ranks: list[int
 class _Step:
     """The trainer's step, phase by phase, with what each phase costs."""
 
-    def __init__(self, config: Config, mesh_spec: MeshSpec, model_cfg, mesh, plan, built: build.ModelParts,
+    def __init__(self, config: Config, mesh_spec: MeshSpec, model_cfg, mesh, plan, built: rank_model.ModelParts,
                  acct: Accounting, rank: int):
         self.config, self.mesh_spec, self.model_cfg, self.mesh, self.plan = config, mesh_spec, model_cfg, mesh, plan
         self.built, self.acct = built, acct
         self.report = ProgramReport(rank)
         self.runner = None
-        self.m = build.num_microbatches(config, mesh_spec)
+        self.m = rank_model.num_microbatches(config, mesh_spec)
 
     def run(self) -> ProgramReport:
         config, acct, parts = self.config, self.acct, self.built.parts
@@ -178,7 +178,7 @@ class _Step:
         clip_grads_(params, config.optim.grad_clip, pp_group, optimizer)
         optimizer.step()
         loss = torch.zeros(())
-        for group in build.loss_reduction_groups(self.mesh, self.mesh_spec):
+        for group in rank_model.loss_reduction_groups(self.mesh, self.mesh_spec):
             dist.all_reduce(loss, group=group)
         self.report.optimizer_bytes = _local_bytes(t for state in optimizer.state.values() for t in state.values()
                                                    if isinstance(t, torch.Tensor))
@@ -287,7 +287,7 @@ class _Step:
         """The previous stage's output as this stage receives it: this rank's shard of the
         residual stream, in the compute dtype."""
         batch, seq = tokens.shape
-        dtype = build.COMPUTE_DTYPES[self.config.train.precision]
+        dtype = rank_model.COMPUTE_DTYPES[self.config.train.precision]
         full = torch.empty(batch, seq, self.model_cfg.dim, dtype=dtype)
         ctx = self.built.ctx
         if ctx.activation_mesh is None:

@@ -1,0 +1,5 @@
+"""A run's layout, decided once before anything runs.
+
+    checks.py  every check of a configuration that needs no memory, and the sharding plan it
+               resolves to
+"""
