@@ -7,7 +7,8 @@
 step, so nothing is lost): `--resume` from it on any mesh, and each rank reads only its shards,
 which `--init-from-hf` (every rank reads every full tensor) cannot do for the largest models.
 `export` writes safetensors (sharded above --max-shard-gb, with an index) and config.json; Mixtral
-experts in the hub's layout, one tensor per expert. A round trip HF -> dtrain -> HF with the
+experts in the hub's layout, one tensor per expert. Neither replaces what it did not write: `import`
+needs a new (or empty) directory, and `export` replaces only an earlier export of its own, whole. A round trip HF -> dtrain -> HF with the
 source's dtype gives the same tensors bit for bit (DeepSeek-V3: in DeepSeek's layout, MTP module included).
 """
 
@@ -17,6 +18,7 @@ import argparse
 import contextlib
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -48,25 +50,50 @@ def load_hf_params(hf_dir: str | Path) -> tuple[LlamaConfig | MoEConfig, dict[st
 
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Writes the HF checkpoint as a committed dtrain checkpoint at step 0 (fp32 master weights)."""
+    """Writes the HF checkpoint as a committed dtrain checkpoint at step 0 (fp32 master weights),
+    into `out_dir`, which must not exist yet or be empty: nothing already there is replaced."""
     source = hf.HFCheckpoint(hf_dir)
     out = Path(out_dir)
+    _check_import_target(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # A name of its own beside the target: nothing of the user's can be mistaken for a leftover.
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".import"))
+    try:
+        state = {"model": {name: source.tensor(name).float() for name in source.shapes}}
+        # Remembered so that `export` writes the source's dtype back by default (a lossless round trip).
+        hf_dtype = str(source.tensor("embed.weight").dtype).removeprefix("torch.")
+        with _one_process():
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+        meta = {"format": ckpt.FORMAT_VERSION, "step": 0, "consumed_samples": 0,
+                "model": ckpt.model_shape(source.config), "mesh": "single", "world_size": 1,
+                "scheduler": None, "config": "", "hf_config": source.raw_config,
+                "hf_dtype": hf_dtype}
+        _check_import_target(out)  # again: the directory may have changed while the tensors were read
+        ckpt.commit(tmp, out, meta)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once committed
+    return out
+
+
+def _check_import_target(out: Path) -> None:
+    """An import writes a new checkpoint directory; a run directory or any directory with files in
+    it is refused, and left as it is."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file; pass a directory to write the checkpoint into")
     if (out / ckpt.COMPLETE).exists():
         raise UserError(f"{out} already holds a checkpoint; pass a new directory")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an import that was killed
-    state = {"model": {name: source.tensor(name).float() for name in source.shapes}}
-    # Remembered so that `export` writes the source's dtype back by default (a lossless round trip).
-    hf_dtype = str(source.tensor("embed.weight").dtype).removeprefix("torch.")
-    with _one_process():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-    meta = {"format": ckpt.FORMAT_VERSION, "step": 0, "consumed_samples": 0,
-            "model": ckpt.model_shape(source.config), "mesh": "single", "world_size": 1,
-            "scheduler": None, "config": "", "hf_config": source.raw_config,
-            "hf_dtype": hf_dtype}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    ckpt.commit(tmp, out, meta)
-    return out
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not entries:
+        return
+    if {ckpt.CHECKPOINTS, "config.toml", "train.log"} & set(entries):
+        suggestion = out / ckpt.CHECKPOINTS / ckpt.checkpoint_name(0)
+        if suggestion.exists():
+            suggestion = out.with_name(out.name + "-imported") / ckpt.CHECKPOINTS / ckpt.checkpoint_name(0)
+        raise UserError(f"{out} is a run directory; an import writes one checkpoint directory: pass a path that "
+                        f"does not exist yet, such as {suggestion}")
+    listed = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+    raise UserError(f"{out} is not empty (it holds {listed}); an import writes a new checkpoint directory: pass "
+                    f"a path that does not exist yet, or an empty directory")
 
 
 def _model_config(shape: dict[str, Any]) -> LlamaConfig | MoEConfig | DeepSeekConfig:
@@ -115,8 +142,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: torch.dtype | None =
               max_shard_bytes: int = 5 * 2**30) -> Path:
     """Writes a dtrain checkpoint as an HF checkpoint; by default in the dtype it was imported
     from (fp32 for a model trained from scratch)."""
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise UserError(f"{out_dir} is a file; pass a directory to write the Hugging Face checkpoint into")
+    hf.check_export_target(Path(out_dir))  # before the checkpoint is read: refused at once
     found, meta, cfg = _find_checkpoint(path)
     hf.config_to_hf(cfg, torch.float32, meta.get("hf_config"))  # a model HF has no equivalent of fails before the read
     params, meta = _load_params(found, cfg)

@@ -231,6 +231,13 @@ def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
         meta = {**meta, "files": integrity.manifest(tmp, [])}
     write_meta(tmp, meta)
     old = final.with_name(final.name + ".old")
+    if final.exists() and not (final / COMPLETE).is_file():
+        # Not a checkpoint: never replaced. An empty directory gives way (rmdir removes nothing else).
+        try:
+            final.rmdir()
+        except OSError:
+            raise UserError(f"{final} exists and is not a checkpoint; it is left as it is: save into a "
+                            f"directory that does not exist yet") from None
     if final.exists():  # a run resumed from an earlier step saves this step again
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)

@@ -10,6 +10,8 @@ import importlib
 import json
 import pkgutil
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,10 @@ from models.errors import UserError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+# In the header of every safetensors file an export writes: what says a directory is an earlier
+# export that the next one may replace ("format": "pt" is what transformers expects there).
+EXPORT_METADATA = {"format": "pt", "writer": "dtrain"}
 
 # Buffers some older exports carry; they are recomputed from the config, never trained.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -185,37 +191,86 @@ def save_hf(params: dict[str, torch.Tensor], cfg: LlamaConfig | MoEConfig, out_d
             base_config: dict[str, Any] | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
     """Writes `params` (dtrain names, full tensors) as HF safetensors in the hub's layout (Mixtral:
     one tensor per expert), split into shards with an index when larger than `max_shard_bytes`,
-    and config.json."""
+    and config.json. The files are written into a new directory beside `out_dir` and renamed into
+    place, replacing an earlier export whole (see `check_export_target`)."""
     from safetensors.torch import save_file
 
     family = family_of_config(cfg)
     config = family.config_to_hf(cfg, dtype, base_config)  # refuses a model HF has no equivalent of
     layout = family.export_layout_of(base_config)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, value in params.items():
-        value = value.detach().to("cpu", dtype)
-        for index, piece in enumerate(family.pieces(name, cfg, layout)):
-            # A clone per expert, and per copy of a shared weight: safetensors refuses tensors that share memory.
-            part = value[piece.expert].clone() if piece.expert is not None else value.contiguous()
-            part = piece.to_hf(part.clone() if index else part)
-            nbytes = part.numel() * part.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][piece.hf_name] = part
-            size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], out / SINGLE_FILE, metadata={"format": "pt"})
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards, 1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, out / file, metadata={"format": "pt"})
-            weight_map.update({name: file for name in shard})
-            total += sum(t.numel() * t.element_size() for t in shard.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    check_export_target(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".export"))
+    try:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, value in params.items():
+            value = value.detach().to("cpu", dtype)
+            for index, piece in enumerate(family.pieces(name, cfg, layout)):
+                # A clone per expert, and per copy of a shared weight: safetensors refuses tensors that share memory.
+                part = value[piece.expert].clone() if piece.expert is not None else value.contiguous()
+                part = piece.to_hf(part.clone() if index else part)
+                nbytes = part.numel() * part.element_size()
+                if shards[-1] and size + nbytes > max_shard_bytes:
+                    shards.append({})
+                    size = 0
+                shards[-1][piece.hf_name] = part
+                size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], tmp / SINGLE_FILE, metadata=EXPORT_METADATA)
+        else:
+            weight_map, total = {}, 0
+            for i, shard in enumerate(shards, 1):
+                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, tmp / file, metadata=EXPORT_METADATA)
+                weight_map.update({name: file for name in shard})
+                total += sum(t.numel() * t.element_size() for t in shard.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        check_export_target(out)  # again: the directory may have changed while the files were written
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
+
+
+def check_export_target(out: Path) -> None:
+    """An export writes a directory that does not exist yet, an empty one, or one that holds an
+    earlier export of dtrain and nothing else (its safetensors files say they were written by
+    dtrain); anything else is refused and left as it is."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file; pass a directory to write the Hugging Face checkpoint into")
+    entries = sorted(out.iterdir()) if out.is_dir() else []
+    foreign = [p.name for p in entries if not _written_by_export(p)]
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise UserError(f"{out} holds files that no export of dtrain wrote ({listed}); pass a new directory "
+                        f"(an export replaces only an earlier export of its own)")
+
+
+def _written_by_export(path: Path) -> bool:
+    if path.name in ("config.json", INDEX_FILE):
+        return path.is_file()
+    if not (path.name == SINGLE_FILE or _SHARD_NAME.match(path.name)) or not path.is_file():
+        return False
+    try:
+        with _open_safetensors(path) as f:
+            return (f.metadata() or {}).get("writer") == EXPORT_METADATA["writer"]
+    except UserError:
+        return False
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """`new` renamed to `out`; an `out` already there (checked to be an earlier export, or empty)
+    is renamed aside first and then deleted."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        new.rename(out)
+        return
+    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+    old.rmdir()  # the name alone: rename needs the destination free
+    out.rename(old)
+    new.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
