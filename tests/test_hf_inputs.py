@@ -1,9 +1,12 @@
 """Hugging Face files as a hostile source would hand them over: import and export never delete
-what they did not write, and an export replaces only its own earlier export."""
+what they did not write, an export replaces only its own earlier export, an index cannot name
+files outside its directory, and a tensor that is not what a model needs is a one-line error
+naming it and its file, before anything is written."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -44,6 +47,16 @@ def hf_dir(tmp_path_factory) -> Path:
 def sharded_hf_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("hf") / "sharded"
     make_hf_model(path, max_shard_size="20KB")
+    return path
+
+
+def _edited(source: Path, tmp_path: Path, edit) -> Path:
+    """A copy of `source` with `edit(tensors)` applied to its one safetensors file."""
+    path = tmp_path / "edited"
+    shutil.copytree(source, path)
+    tensors = load_file(path / hf.SINGLE_FILE)
+    edit(tensors)
+    save_file(tensors, path / hf.SINGLE_FILE, metadata={"format": "pt"})
     return path
 
 
@@ -138,3 +151,75 @@ def test_export_refuses_a_directory_it_did_not_write(two_checkpoints, hf_dir, tm
     before = _tree(out)
     _refused(["export", str(a), str(out)], capsys, "tokenizer.json")
     assert _tree(out) == before
+
+
+# ---- the HF directory's own files --------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_index_naming_a_file_outside_the_directory_is_refused(sharded_hf_dir, tmp_path, where):
+    source = tmp_path / "hf"
+    shutil.copytree(sharded_hf_dir, source)
+    index = json.loads((source / hf.INDEX_FILE).read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / "elsewhere" / shard
+    outside.parent.mkdir()
+    shutil.copy(source / shard, outside)  # a loadable file, so that only the path makes it wrong
+    named = f"../elsewhere/{shard}" if where == "parent" else str(outside)
+    index["weight_map"] = {key: named if value == shard else value for key, value in index["weight_map"].items()}
+    (source / hf.INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(UserError, match=rf"names {named!r}, outside {source}") as caught:
+        hf.HFCheckpoint(source)
+    assert "\n" not in str(caught.value)
+
+
+def test_index_of_another_shape_or_naming_the_wrong_shard_is_one_line(sharded_hf_dir, tmp_path):
+    source = tmp_path / "hf"
+    shutil.copytree(sharded_hf_dir, source)
+    index = json.loads((source / hf.INDEX_FILE).read_text())
+    for weight_map, message in ((["model.norm.weight"], "weight_map is not an object"),
+                                ({**index["weight_map"], "model.norm.weight": 5}, "names 5 for model.norm.weight")):
+        (source / hf.INDEX_FILE).write_text(json.dumps({**index, "weight_map": weight_map}))
+        with pytest.raises(UserError, match=message):
+            hf.HFCheckpoint(source)
+    files = sorted(set(index["weight_map"].values()))
+    moved = next(name for name, file in index["weight_map"].items() if file != files[0])
+    (source / hf.INDEX_FILE).write_text(json.dumps({**index, "weight_map": {**index["weight_map"], moved: files[0]}}))
+    with pytest.raises(UserError, match=rf"{hf.INDEX_FILE} places {moved} in {files[0]}, which does not hold it"):
+        hf_convert.load_hf_params(source)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn], ids=str)
+def test_a_tensor_that_is_not_floating_point_is_refused(hf_dir, tmp_path, dtype):
+    name = "model.layers.0.mlp.gate_proj.weight"
+    source = _edited(hf_dir, tmp_path, lambda t: t.update({name: (t[name] * 100).to(dtype)}))
+    for read in (lambda: hf_convert.import_hf(source, tmp_path / "out"), lambda: hf_convert.load_hf_params(source)):
+        with pytest.raises(UserError, match=rf"{source / hf.SINGLE_FILE}: {name} holds {str(dtype).split('.')[1]} "
+                                            rf"values; dtrain imports floating-point weights") as caught:
+            read()
+        assert "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_a_tensor_with_non_finite_values_is_refused(hf_dir, tmp_path, value):
+    name = "model.layers.1.self_attn.k_proj.weight"
+
+    def poison(tensors):
+        tensors[name][3, 5] = value
+        tensors[name][7, 1] = value
+
+    source = _edited(hf_dir, tmp_path, poison)
+    with pytest.raises(UserError, match=rf"{source / hf.SINGLE_FILE}: {name} holds 2 NaN or infinite values; "
+                                        rf"the checkpoint is damaged") as caught:
+        hf_convert.import_hf(source, tmp_path / "out")
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["edited"]
+
+
+def test_init_from_hf_refuses_the_same_tensors(hf_dir, tmp_path):
+    """--init-from-hf reads through HFCheckpoint.tensor too: a NaN is refused there, not trained on."""
+    name = "model.norm.weight"
+    source = _edited(hf_dir, tmp_path, lambda t: t[name].__setitem__(0, float("nan")))
+    with pytest.raises(UserError, match=rf"{name} holds 1 NaN or infinite value;"):
+        hf.HFCheckpoint(source).tensor("head.norm")
+    assert os.path.isdir(source)

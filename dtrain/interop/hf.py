@@ -141,6 +141,17 @@ class HFCheckpoint:
             except (json.JSONDecodeError, KeyError, TypeError) as error:
                 raise UserError(f"{index} is not a safetensors index (no readable weight_map: {error}); "
                                 f"re-download or re-save the checkpoint") from None
+            if not isinstance(weight_map, dict):
+                raise UserError(f"{index}: weight_map is not an object of tensor names to files; re-download or "
+                                f"re-save the checkpoint")
+            for name, file in weight_map.items():
+                if not isinstance(file, str):
+                    raise UserError(f"{index} names {file!r} for {name}, not a file name; re-download or re-save "
+                                    f"the checkpoint")
+                # By the names alone (symbolic links stay allowed: a hub cache links to its blobs).
+                if Path(file).is_absolute() or ".." in Path(file).parts:
+                    raise UserError(f"{index} names {file!r}, outside {self.path}: every shard must be a file in "
+                                    f"the checkpoint's own directory; re-download it from a source you trust")
             for file in sorted(set(weight_map.values())):
                 if not (self.path / file).is_file():
                     raise UserError(f"{self.path}: shard {file} named in {INDEX_FILE} is missing")
@@ -154,15 +165,22 @@ class HFCheckpoint:
     def _read(self, piece: Piece, shape: tuple[int, ...]) -> torch.Tensor:
         file = self.files[piece.hf_name]
         with _open_safetensors(file) as f:
-            view = f.get_slice(piece.hf_name)
+            try:
+                view = f.get_slice(piece.hf_name)
+            except Exception:  # safetensors' error for a name the file does not hold
+                raise UserError(f"{self.path / INDEX_FILE} places {piece.hf_name} in {file.name}, which does not "
+                                f"hold it; re-download or re-save the checkpoint") from None
             expected = piece.hf_shape(shape)
             if tuple(view.get_shape()) != expected:
                 raise UserError(f"{file}: {piece.hf_name} has shape {list(view.get_shape())} but config.json "
                                 f"implies {list(expected)}")
             if piece.half is None:
-                return f.get_tensor(piece.hf_name)
-            rows = shape[1]
-            return view[:, piece.half * rows:(piece.half + 1) * rows]
+                value = f.get_tensor(piece.hf_name)
+            else:
+                rows = shape[1]
+                value = view[:, piece.half * rows:(piece.half + 1) * rows]
+        _check_values(value, piece.hf_name, file)
+        return value
 
     def tensor(self, name: str) -> torch.Tensor:
         """One parameter by dtrain name, in the checkpoint's dtype (experts stacked as dtrain keeps them)."""
@@ -173,6 +191,22 @@ class HFCheckpoint:
     def load_all(self) -> dict[str, torch.Tensor]:
         """Every parameter, by dtrain name, in the checkpoint's dtype."""
         return {name: self.tensor(name) for name in self.shapes}
+
+
+# What a weight may be stored as; a cast from anything else (integers, booleans, float8 without its
+# scales) would import numbers that were never the model's.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_values(value: torch.Tensor, hf_name: str, file: Path) -> None:
+    if value.dtype not in FLOAT_DTYPES:
+        raise UserError(f"{file}: {hf_name} holds {str(value.dtype).removeprefix('torch.')} values; dtrain imports "
+                        f"floating-point weights (float32, bfloat16, float16, float64): convert the checkpoint to "
+                        f"one of those")
+    bad = int(value.numel() - torch.isfinite(value).sum())
+    if bad:
+        raise UserError(f"{file}: {hf_name} holds {bad} NaN or infinite value{'s' if bad > 1 else ''}; the "
+                        f"checkpoint is damaged: re-download it or import another")
 
 
 def _open_safetensors(file: Path):
