@@ -1,7 +1,7 @@
 """Hugging Face files as a hostile source would hand them over: import and export never delete
 what they did not write, an export replaces only its own earlier export, an index cannot name
-files outside its directory, and a tensor that is not what a model needs is a one-line error
-naming it and its file, before anything is written."""
+files outside its directory, and a tensor or config.json that is not what a model needs is a
+one-line error naming it, before anything is written."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from dtrain.interop import hf
 from models.errors import UserError
-from tests.test_hf_convert import make_hf_model
+from tests.test_hf_convert import make_hf_mixtral, make_hf_model
 from tools import hf_convert
 
 pytest.importorskip("transformers")
@@ -57,6 +57,14 @@ def _edited(source: Path, tmp_path: Path, edit) -> Path:
     tensors = load_file(path / hf.SINGLE_FILE)
     edit(tensors)
     save_file(tensors, path / hf.SINGLE_FILE, metadata={"format": "pt"})
+    return path
+
+
+def _edited_config(source: Path, tmp_path: Path, **fields) -> Path:
+    path = tmp_path / "config_edited"
+    shutil.copytree(source, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **fields}))
     return path
 
 
@@ -214,6 +222,37 @@ def test_a_tensor_with_non_finite_values_is_refused(hf_dir, tmp_path, value):
         hf_convert.import_hf(source, tmp_path / "out")
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["edited"]
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"num_attention_heads": 0}, "num_attention_heads=0, which must be a positive integer"),
+    ({"hidden_size": "32"}, "hidden_size='32', which must be a positive integer"),
+    ({"hidden_size": None}, "hidden_size=None, which must be a positive integer"),
+    ({"vocab_size": 97.5}, "vocab_size=97.5, which must be a positive integer"),
+    ({"rms_norm_eps": "x"}, "rms_norm_eps='x', which must be a number"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false', which must be true or false"),
+    ({"rope_parameters": [1]}, "rope_parameters=\\[1\\], which must be an object"),
+])
+def test_config_json_of_the_wrong_types_is_one_line(hf_dir, tmp_path, fields, message):
+    source = _edited_config(hf_dir, tmp_path, **fields)
+    with pytest.raises(UserError, match=rf"{source}: config.json has {message}") as caught:
+        hf.HFCheckpoint(source)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_family_checks_its_own_keys(tmp_path):
+    make_hf_mixtral(tmp_path / "mixtral")
+    source = _edited_config(tmp_path / "mixtral", tmp_path, num_experts_per_tok=0)
+    with pytest.raises(UserError, match="config.json has num_experts_per_tok=0, which must be a positive integer"):
+        hf.HFCheckpoint(source)
+
+
+def test_config_json_that_is_not_an_object_is_one_line(hf_dir, tmp_path):
+    source = tmp_path / "hf"
+    shutil.copytree(hf_dir, source)
+    (source / "config.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match=r"config.json holds a list, not an object of model settings"):
+        hf.HFCheckpoint(source)
 
 
 def test_init_from_hf_refuses_the_same_tensors(hf_dir, tmp_path):

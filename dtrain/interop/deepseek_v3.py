@@ -90,6 +90,13 @@ class DeepseekV3(HFFamily):
     free_fields = frozenset({"init_std", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "capacity_factor",
                              "mtp_depth", "mtp_loss_weight"})
     export_layout = "published"
+    config_types = {
+        "n_routed_experts": "count", "num_experts_per_tok": "count", "moe_intermediate_size": "count",
+        "n_shared_experts": "count0?", "n_group": "count?", "topk_group": "count?", "first_k_dense_replace": "count0?",
+        "q_lora_rank": "count0?", "kv_lora_rank": "count", "qk_nope_head_dim": "count", "qk_rope_head_dim": "count",
+        "v_head_dim": "count", "num_nextn_predict_layers": "count0", "routed_scaling_factor": "number",
+        "norm_topk_prob": "flag", "aux_loss_alpha": "number",
+    }
 
     def config_from_hf(self, hf: dict[str, Any], source: str) -> DeepSeekConfig:
         unsupported = {key: hf.get(key) for key, ok in (("hidden_act", "silu"), ("attention_bias", False),

@@ -7,6 +7,7 @@ finds it there, so adding a family touches one file."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Iterable
 
@@ -28,6 +29,38 @@ SHARED_NAMES = [
     ("model.norm.weight", "head.norm"),
     ("lm_head.weight", "head.output"),
 ]
+
+# The kind of value each config.json key must hold where present: a count (an integer >= 1, or
+# >= 0 with "count0"), a number, a flag (JSON true/false) or an object; "?" admits null. A string
+# "false" would otherwise tie the embeddings (bool("false") is True) and "32" fail deep in the code.
+CONFIG_TYPES = {
+    "hidden_size": "count", "num_hidden_layers": "count", "num_attention_heads": "count",
+    "num_key_value_heads": "count?", "head_dim": "count?", "vocab_size": "count", "intermediate_size": "count",
+    "max_position_embeddings": "count?", "rms_norm_eps": "number", "rope_theta": "number?",
+    "tie_word_embeddings": "flag", "attention_bias": "flag", "mlp_bias": "flag", "rope_parameters": "object?",
+    "rope_scaling": "object?",
+}
+_KIND_WORDS = {"count": "a positive integer", "count0": "an integer >= 0", "number": "a number",
+               "flag": "true or false", "object": "an object"}
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind in ("count", "count0"):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= (kind == "count")
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, bool if kind == "flag" else dict)
+
+
+def check_config_types(hf: dict[str, Any], types: dict[str, str], source: str) -> None:
+    """Every key of `types` that config.json holds has a value of its kind (CONFIG_TYPES)."""
+    for key, kind in types.items():
+        if key not in hf or (kind.endswith("?") and hf[key] is None):
+            continue
+        if not _is_kind(hf[key], kind.rstrip("?")):
+            raise UserError(f"{source}: config.json has {key}={hf[key]!r}, which must be "
+                            f"{_KIND_WORDS[kind.rstrip('?')]}; compare it with the model's published config.json")
+
 
 def pattern(template: str) -> re.Pattern:
     """A template with `{i}` (layer) and `{j}` (expert) placeholders as a regular expression."""
@@ -101,6 +134,7 @@ class HFFamily:
     free_fields: frozenset[str] = frozenset({"init_std"})
     export_layout = "hub"
     preset_hint = "a Llama preset"  # what a run of another family should choose instead
+    config_types: dict[str, str] = {}  # the family's own config.json keys, beside CONFIG_TYPES
 
     def config_from_hf(self, hf: dict[str, Any], source: str) -> LlamaConfig | MoEConfig:
         raise NotImplementedError

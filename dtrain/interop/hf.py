@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from dtrain.interop.family import HFFamily, Piece
+from dtrain.interop.family import CONFIG_TYPES, HFFamily, Piece, check_config_types
 from models import families, spec
 from models.config import LlamaConfig, MoEConfig
 from models.errors import UserError
@@ -63,11 +63,17 @@ def _family_of_hf(hf: dict[str, Any], source: str) -> HFFamily:
 def config_from_hf(hf: dict[str, Any], source: str) -> LlamaConfig | MoEConfig:
     """The model config of HF's config.json (any model_type of `hf_families()`)."""
     family = _family_of_hf(hf, source)
+    check_config_types(hf, {**CONFIG_TYPES, **family.config_types}, source)
     try:
         return family.config_from_hf(hf, source)
     except KeyError as error:
         raise UserError(f"{source}: config.json has no {error.args[0]!r}; it is not a complete "
                         f"{family.title} config") from None
+    except UserError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as error:  # a value of a kind not checked above
+        raise UserError(f"{source}: config.json cannot be read as a {family.title} config ({type(error).__name__}: "
+                        f"{error}); compare it with the model's published config.json") from None
 
 
 def config_to_hf(cfg: LlamaConfig | MoEConfig, dtype: torch.dtype, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -111,6 +117,9 @@ class HFCheckpoint:
             self.raw_config = json.loads(config_path.read_text())
         except ValueError as error:
             raise UserError(f"{config_path} is not valid JSON ({error})") from None
+        if not isinstance(self.raw_config, dict):
+            raise UserError(f"{config_path} holds a {type(self.raw_config).__name__}, not an object of model "
+                            f"settings; pass a Hugging Face model directory")
         self.family = _family_of_hf(self.raw_config, str(self.path))
         self.config = config_from_hf(self.raw_config, str(self.path))
         self.files = self._hf_files()  # HF name -> file

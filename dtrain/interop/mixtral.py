@@ -76,6 +76,7 @@ class Mixtral(HFFamily):
     # Training choices that change neither the parameters nor the model's function: a run that
     # starts from a Mixtral checkpoint may pick its own (a router_bias starts at zero).
     free_fields = frozenset({"init_std", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "capacity_factor"})
+    config_types = {"num_local_experts": "count", "num_experts_per_tok": "count", "router_aux_loss_coef": "number"}
 
     def config_from_hf(self, cfg: dict[str, Any], source: str) -> MoEConfig:
         window = cfg.get("sliding_window")
