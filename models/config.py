@@ -63,13 +63,18 @@ class LlamaConfig:
     init_std: float = 0.02
     # Mistral-style sliding-window attention: each token sees itself and the window - 1 before it.
     sliding_window: int | None = None
+    # The width of one attention head; None: dim // num_heads. Families whose query width
+    # num_heads * head_dim is not dim (Qwen3-0.6B and -32B, gpt-oss) set it: q_proj is then
+    # [num_heads * head_dim, dim], k/v_proj [num_kv_heads * head_dim, dim], o_proj
+    # [dim, num_heads * head_dim], and RoPE turns head_dim dims. Read it as `cfg.head_dim`.
+    explicit_head_dim: int | None = attrs.field(default=None, alias="head_dim")
 
     def __attrs_post_init__(self) -> None:
         _check_shape(self, ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size"))
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.num_heads
+        return self.explicit_head_dim or self.dim // self.num_heads
 
 
 def _check_shape(cfg, positive: tuple[str, ...]) -> None:
@@ -77,8 +82,12 @@ def _check_shape(cfg, positive: tuple[str, ...]) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise UserError(f"model {name}={getattr(cfg, name)} must be >= 1")
-    if cfg.dim % cfg.num_heads:
-        raise UserError(f"model dim={cfg.dim} is not divisible by num_heads={cfg.num_heads}")
+    if cfg.explicit_head_dim is None and cfg.dim % cfg.num_heads:
+        raise UserError(f"model dim={cfg.dim} is not divisible by num_heads={cfg.num_heads}; set head_dim "
+                        f"where the heads are not dim / num_heads wide")
+    if cfg.explicit_head_dim is not None and (cfg.explicit_head_dim < 2 or cfg.explicit_head_dim % 2):
+        raise UserError(f"head_dim={cfg.explicit_head_dim} must be even and >= 2 (RoPE rotates pairs), "
+                        f"or none for dim / num_heads")
     if cfg.num_heads % cfg.num_kv_heads:
         raise UserError(
             f"num_heads={cfg.num_heads} is not divisible by num_kv_heads={cfg.num_kv_heads}"
@@ -140,6 +149,7 @@ class MoEConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     sliding_window: int | None = None  # as LlamaConfig's
+    explicit_head_dim: int | None = attrs.field(default=None, alias="head_dim")  # as LlamaConfig's
 
     def __attrs_post_init__(self) -> None:
         _check_shape(self, ("dim", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
@@ -166,7 +176,7 @@ class MoEConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.num_heads
+        return self.explicit_head_dim or self.dim // self.num_heads
 
     def is_moe_layer(self, index: int) -> bool:
         return index >= self.first_dense_layers
@@ -234,6 +244,9 @@ class DeepSeekConfig(MoEConfig):
         if self.num_kv_heads != self.num_heads:
             raise UserError(f"MLA gives every head its own key and value: num_kv_heads={self.num_kv_heads} must "
                             f"equal num_heads={self.num_heads}")
+        if self.explicit_head_dim is not None:
+            raise UserError(f"head_dim={self.explicit_head_dim}: MLA's heads are qk_nope_head_dim + qk_rope_head_dim "
+                            f"wide (values v_head_dim); set those instead")
 
     @property
     def qk_head_dim(self) -> int:
@@ -367,7 +380,8 @@ def get_model_config(name: str, overrides: str = "") -> LlamaConfig | MoEConfig 
     except KeyError:
         raise UserError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}") from None
     changes = {}
-    fields = attrs.fields_dict(type(config))
+    # By the names the constructor takes (`head_dim` for the stored explicit_head_dim).
+    fields = {f.alias: f for f in attrs.fields(type(config))}
     settable = [n for n, f in fields.items() if f.type in _OVERRIDE_PARSERS]
     for item in filter(None, (part.strip() for part in overrides.split(","))):
         key, _, text = item.partition("=")

@@ -52,11 +52,12 @@ def attention_flops_per_token(cfg: LlamaConfig | MoEConfig, keys: float) -> floa
     backward, against `keys` keys per query (the whole sequence S, causal or not, by the convention
     of BENCHMARKS.md), in every attention layer: 6 S (qk + v)
     per layer, where qk and v are the summed head dims of all heads. For Llama qk = v = d
-    (12 L d S); for MLA heads x (qk_nope + qk_rope) and heads x v_head_dim. MTP blocks attend too."""
+    (12 L d S), and heads x head_dim where the heads are not d / heads wide (Qwen3-0.6B); for MLA
+    heads x (qk_nope + qk_rope) and heads x v_head_dim. MTP blocks attend too."""
     if isinstance(cfg, DeepSeekConfig):
         width = cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     else:
-        width = 2 * cfg.dim
+        width = 2 * cfg.num_heads * cfg.head_dim
     return 6.0 * keys * width * (cfg.num_layers + mtp_depth(cfg))
 
 

@@ -93,3 +93,12 @@ def test_document_attention_flops_count_the_attended_keys():
     causal = flops_per_token(cfg, SEQ, attended_keys=(SEQ + 1) / 2)
     assert flops_per_token(cfg, SEQ) - causal == 12 * L * D * (SEQ - 1) / 2
     assert flops_per_token(cfg, SEQ, attended_keys=0) == 6 * matmul_params(cfg)
+
+
+def test_attention_flops_count_the_heads_width_not_dim():
+    from models import flops
+
+    cfg = get_model_config("tiny")
+    wide = get_model_config("tiny", "head_dim=32")  # 4 heads x 32: queries twice the 64 of dim
+    assert flops.attention_flops_per_token(cfg, 100) == 12 * cfg.num_layers * cfg.dim * 100
+    assert flops.attention_flops_per_token(wide, 100) == 2 * flops.attention_flops_per_token(cfg, 100)

@@ -54,6 +54,16 @@ def test_imported_weights_give_transformers_logits_and_loss(tmp_path, tie, rope)
     _assert_matches_transformers(model, params, cfg, llama.forward)
 
 
+def test_imported_llama_with_heads_wider_than_dim_over_heads_gives_transformers_logits(tmp_path):
+    model = make_hf_model(tmp_path, head_dim=16)  # 4 heads x 16 = 64 from a 32-wide residual
+    cfg, params = hf_convert.load_hf_params(tmp_path)
+    assert cfg.head_dim == 16 and params["blocks.0.attn.wo"].shape == (32, 64)
+    _assert_matches_transformers(model, params, cfg, llama.forward)
+    # A head_dim that is dim / heads reads as unset, so the model follows its dim as the presets do.
+    make_hf_model(tmp_path / "plain", head_dim=8)
+    assert hf.HFCheckpoint(tmp_path / "plain").config.explicit_head_dim is None
+
+
 def _assert_matches_transformers(model, params, cfg, forward) -> None:
     """dtrain's logits and summed loss on the imported weights equal transformers' (fp32)."""
     tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))

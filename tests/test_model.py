@@ -226,3 +226,27 @@ def test_count_params_tiny():
     d, f, v = 64, 192, 2048
     per_block = 2 * d + d * d + 2 * 32 * d + d * d + 3 * d * f
     assert spec.count_params(llama.layers(cfg)) == v * d + 4 * per_block + d + v * d
+
+
+def test_head_dim_is_a_field_that_follows_dim_unless_set():
+    from models.errors import UserError
+
+    tiny = get_model_config("tiny")
+    assert tiny.head_dim == 16 and get_model_config("tiny", "dim=128").head_dim == 32
+    wide = get_model_config("tiny", "head_dim=32")
+    assert wide.head_dim == 32 and attrs.evolve(wide, dim=128).head_dim == 32
+    block = dict(spec.flatten(llama.layers(wide)[1].params))
+    # Queries 4 heads x 32 = 128 wide from a 64-wide residual; the output projection back to 64.
+    assert block["attn.wq"].shape == (128, 64) and block["attn.wk"].shape == (64, 64)
+    assert block["attn.wo"].shape == (64, 128)
+    assert llama.make_aux(wide, torch.arange(8)).rope[0].shape == (8, 32)
+    params = _init_params(wide, seed=0)
+    tokens = torch.randint(0, wide.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(llama.forward(params, tokens, tokens, wide, LocalContext()))
+    # dim need not divide into the heads once head_dim is set.
+    assert get_model_config("tiny", "dim=70,head_dim=16").head_dim == 16
+    for overrides, message in (("head_dim=7", "head_dim=7 must be even"), ("dim=70", "set head_dim where")):
+        with pytest.raises(UserError, match=message):
+            get_model_config("tiny", overrides)
+    with pytest.raises(UserError, match="MLA's heads are qk_nope_head_dim"):
+        get_model_config("tiny-mla", "head_dim=16")

@@ -89,7 +89,7 @@ def run_setup(name: str, batch: int, seq_len: int, iterations: int, compile_: bo
             return mla.attention(p, x, rope, cfg, ctx)
     else:
         rope = llama.make_aux(cfg, positions).rope
-        width = 2 * cfg.dim
+        width = 2 * cfg.num_heads * cfg.head_dim
 
         def forward(p, x):
             return attention_block(p, x, rope, cfg.num_heads, cfg.num_kv_heads, ctx)

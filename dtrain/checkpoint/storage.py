@@ -124,7 +124,9 @@ def resolve_resume(value: str, run_dir: Path) -> Path | None:
 
 
 def model_shape(cfg: LlamaConfig) -> dict[str, Any]:
-    return attrs.asdict(cfg)
+    """The config's fields by the names its constructor takes (`head_dim`, stored as explicit_head_dim)."""
+    values = attrs.asdict(cfg)
+    return {f.alias: values[f.name] for f in attrs.fields(type(cfg))}
 
 
 def shape_difference(saved: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
@@ -168,7 +170,7 @@ def check_checkpoint(path: Path, model_cfg: LlamaConfig, param_shapes: dict[str,
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}; resume from an "
                                 f"earlier checkpoint")
     current = model_shape(model_cfg)
-    defaults = {f.name: f.default for f in attrs.fields(type(model_cfg)) if f.default is not attrs.NOTHING}
+    defaults = {f.alias: f.default for f in attrs.fields(type(model_cfg)) if f.default is not attrs.NOTHING}
     differ = shape_difference(meta.get("model", {}), current, defaults)
     if differ:
         saved = ",".join(f"{k}={meta.get('model', {}).get(k)}" for k in differ)

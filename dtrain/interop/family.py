@@ -179,9 +179,11 @@ def common_config_from_hf(hf: dict[str, Any], source: str, title: str, *, defaul
         raise UserError(f"{source}: {unsupported} differ from dtrain's {title} (silu, no biases); "
                         f"this checkpoint cannot be imported")
     heads = hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-        raise UserError(f"{source}: head_dim={hf['head_dim']} is not hidden_size/num_attention_heads="
-                        f"{hf['hidden_size'] // heads}; dtrain needs head_dim = dim / num_heads")
+    # Kept only where it says more than hidden_size / num_attention_heads, so that a model of
+    # plain heads follows its dim as the presets do.
+    head_dim = hf.get("head_dim")
+    if head_dim == hf["hidden_size"] // heads and hf["hidden_size"] % heads == 0:
+        head_dim = None
     rope = dict(hf.get("rope_parameters") or {})
     if not rope:
         rope = dict(hf.get("rope_scaling") or {})
@@ -197,7 +199,7 @@ def common_config_from_hf(hf: dict[str, Any], source: str, title: str, *, defaul
                               original_max_seq_len=int(rope["original_max_position_embeddings"]))
     return dict(
         dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
+        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, vocab_size=hf["vocab_size"],
         rope_theta=float(rope["rope_theta"]), rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", default_eps)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )

@@ -88,8 +88,10 @@ def check_matches(hf_cfg: LlamaConfig | MoEConfig, model_cfg: LlamaConfig | MoEC
     if type(model_cfg) is not type(hf_cfg):
         raise UserError(f"{source} is a {family.title} checkpoint but --model {model_name} is not; "
                         f"choose {family.preset_hint}")
-    differ = [f.name for f in attrs.fields(type(hf_cfg))
-              if f.name not in family.free_fields and getattr(hf_cfg, f.name) != getattr(model_cfg, f.name)]
+    # By the constructor's names, whose values are what the model reads (`head_dim` whether set or
+    # dim / num_heads).
+    differ = [f.alias for f in attrs.fields(type(hf_cfg))
+              if f.alias not in family.free_fields and getattr(hf_cfg, f.alias) != getattr(model_cfg, f.alias)]
     if not differ:
         return
     have = ",".join(f"{k}={getattr(model_cfg, k)}" for k in differ)
