@@ -1,9 +1,10 @@
 """Tokenize a JSON-lines corpus into Megatron's indexed format: PREFIX.bin + PREFIX.idx.
 
 Each line is one document, a JSON object whose --json-key (default "text") holds its text. The
-files are byte for byte what Megatron's tools/preprocess_data.py writes (one sequence per document,
-uint16 ids below a 65,500-token vocabulary, int32 above), so Megatron reads them and dtrain reads
-Megatron's. Tokenizer: a local Hugging Face tokenizer.json (--tokenizer), or GPT-2 BPE files
+files are what Megatron's tools/preprocess_data.py writes (one sequence per document, uint16 ids
+below a 65,500-token vocabulary, int32 above; dtrain adds a record of the .bin after the index's
+arrays, where Megatron's reader does not look), so Megatron reads them and dtrain reads Megatron's.
+Both files are written under temporary names and renamed into place once complete. Tokenizer: a local Hugging Face tokenizer.json (--tokenizer), or GPT-2 BPE files
 (--vocab-file vocab.json --merge-file merges.txt).
 
     python -m tools.preprocess_data --input corpus.jsonl --output-prefix data/corpus \\

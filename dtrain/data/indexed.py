@@ -1,16 +1,27 @@
 """Megatron's indexed dataset format (`PREFIX.bin` + `PREFIX.idx`), read with numpy.memmap and
-written byte for byte as Megatron writes it, so that either tool reads the other's files.
+written as Megatron writes it (plus a record of the `.bin` that Megatron's reader skips), so that
+either tool reads the other's files.
 
 `PREFIX.idx` (little-endian): magic b"MMIDIDX\\x00\\x00", uint64 version 1, uint8 dtype code, uint64
 sequence count S, uint64 document count D, then int32 lengths[S] (tokens per sequence), int64
 pointers[S] (byte offset of each sequence in `.bin`) and int64 document_indices[D] (sequence index
 where each document starts, first 0, last S). `PREFIX.bin` is the token ids back to back.
+
+dtrain's writer adds a record of the `.bin` after the document indices: magic b"DTRAINBIN", uint8
+version 1, uint64 size of `.bin` and a 16-byte BLAKE2b digest of its sampled blocks (`bin_digest`).
+Megatron's reader takes the header's counts and reads the three arrays at their offsets, so it
+never reads that far; dtrain's reader checks the `.bin` against it, and against the arrays (its
+size must be exactly what they describe) for an index without it. Both files are written under
+temporary names and renamed into place, the `.idx` first: a run stopped at any moment leaves the
+earlier pair whole, or a new `.idx` whose record refuses the earlier `.bin`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +36,31 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
 DTYPE_CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 # Token ids are scanned for the vocabulary check in chunks of this many, so memory stays flat.
 SCAN_CHUNK = 1 << 24
+TRAILER_MAGIC = b"DTRAINBIN"
+TRAILER_VERSION = 1
+TRAILER_BYTES = len(TRAILER_MAGIC) + 1 + 8 + 16
+# The `.bin` digest reads this many evenly spaced blocks of this size (all of a smaller file), so
+# that checking a pair costs a millisecond whatever the size.
+DIGEST_BLOCKS, DIGEST_BLOCK_BYTES = 256, 4096
+FIX = "re-run tools/preprocess_data.py (or Megatron's preprocess_data.py) to write it again"
+
+
+def temporary_path(path: str | Path) -> str:
+    """A name beside `path` that no other writer uses, for a file renamed into place once whole."""
+    return f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def bin_digest(path: str, size: int) -> bytes:
+    """BLAKE2b of the size and DIGEST_BLOCKS evenly spaced blocks of the file (all of it when small)."""
+    digest = hashlib.blake2b(struct.pack("<Q", size), digest_size=16)
+    with open(path, "rb") as file:
+        if size <= DIGEST_BLOCKS * DIGEST_BLOCK_BYTES:
+            digest.update(file.read())
+        else:
+            for block in range(DIGEST_BLOCKS):
+                file.seek(block * (size - DIGEST_BLOCK_BYTES) // (DIGEST_BLOCKS - 1))
+                digest.update(file.read(DIGEST_BLOCK_BYTES))
+    return digest.digest()
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -62,13 +98,13 @@ class IndexedDataset:
         self.prefix = check_files(prefix)
         self.idx_path, self.bin_path = self.prefix + ".idx", self.prefix + ".bin"
         self._read_index()
-        count = self.bin_bytes // self.dtype.itemsize  # a stray tail byte is not worth refusing the file
+        count = self.bin_bytes // self.dtype.itemsize  # exact: _check_consistent compared the sizes
         self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(count,)) if count
                        else np.zeros(0, dtype=self.dtype))  # numpy cannot map an empty file
 
     def _read_index(self) -> None:
         idx_bytes = os.path.getsize(self.idx_path)
-        fix = "re-run tools/preprocess_data.py (or Megatron's preprocess_data.py) to write it again"
+        fix = FIX
         with open(self.idx_path, "rb") as file:
             header = file.read(HEADER_BYTES)
         if header[: len(MAGIC)] != MAGIC:
@@ -83,6 +119,10 @@ class IndexedDataset:
                             f"(Megatron's MMIDIDX): {fix}")
         if code not in DTYPES:
             raise UserError(f"{self.idx_path} has dtype code {code}, not one of {sorted(DTYPES)}: {fix}")
+        if np.dtype(DTYPES[code]).kind == "f":
+            # A cast would truncate 1.5 to 1 and fail on a NaN: such a file holds no token ids.
+            raise UserError(f"{self.idx_path} stores token ids as {np.dtype(DTYPES[code])}; token ids are integers: "
+                            f"{fix} from the text")
         expected = HEADER_BYTES + sequences * (4 + 8) + documents * 8
         if idx_bytes < expected:
             raise UserError(f"{self.idx_path} is {idx_bytes} bytes, shorter than the {expected} its header "
@@ -98,6 +138,11 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(index, np.int64, documents, offset)
         self.bin_bytes = os.path.getsize(self.bin_path)
         self._check_consistent(fix)
+        with open(self.idx_path, "rb") as file:
+            file.seek(expected)
+            trailer = file.read(TRAILER_BYTES)
+        if len(trailer) == TRAILER_BYTES and trailer.startswith(TRAILER_MAGIC):
+            self._check_recorded_bin(trailer, fix)
 
     def _check_consistent(self, fix: str) -> None:
         # One vectorised pass: a wrong pointer would otherwise surface as garbage tokens mid-run.
@@ -106,13 +151,22 @@ class IndexedDataset:
         if len(self.lengths) and (self.lengths.min() < 0 or self.pointers.min() < 0
                                   or (self.pointers % item).any()):
             raise UserError(f"{self.idx_path} holds negative lengths or misaligned pointers: {fix}")
-        if len(ends) and ends.max() > self.bin_bytes:
-            raise UserError(f"{self.bin_path} is {self.bin_bytes} bytes but {self.idx_path} points to "
-                            f"{int(ends.max())}: the .bin is truncated or belongs to another index; {fix}")
+        described = int(ends.max()) if len(ends) else 0
+        if described != self.bin_bytes:
+            what = "shorter" if self.bin_bytes < described else "longer"
+            raise UserError(f"{self.bin_path} is {self.bin_bytes} bytes but {self.idx_path} describes {described} "
+                            f"(the .bin is {what}): the two files do not belong together (a preprocessing run "
+                            f"that stopped midway, or files of two runs); {fix}")
         docs = self.document_indices
         if len(docs) < 1 or docs[0] != 0 or docs[-1] != len(self.lengths) or (np.diff(docs) < 0).any():
             raise UserError(f"{self.idx_path} has document indices that do not run from 0 to its "
                             f"{len(self.lengths)} sequences in order: {fix}")
+
+    def _check_recorded_bin(self, trailer: bytes, fix: str) -> None:
+        version, size = struct.unpack("<BQ", trailer[len(TRAILER_MAGIC):len(TRAILER_MAGIC) + 9])
+        if version == TRAILER_VERSION and (size != self.bin_bytes or bin_digest(self.bin_path, size) != trailer[-16:]):
+            raise UserError(f"{self.bin_path} is not the file {Path(self.idx_path).name} was written with (its contents "
+                            f"differ from those the index records): the two files do not belong together; {fix}")
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -146,20 +200,34 @@ class IndexedDataset:
 
 
 class IndexedDatasetWriter:
-    """Writes PREFIX.bin/.idx as Megatron's IndexedDatasetBuilder does (one sequence per document)."""
+    """Writes PREFIX.bin/.idx as Megatron's IndexedDatasetBuilder does (one sequence per document),
+    plus the record of the `.bin` (module docstring), under temporary names renamed into place by
+    `finalize`; an error inside `with` removes them and leaves any earlier PREFIX.bin/.idx as they were."""
 
     def __init__(self, prefix: str, dtype: np.dtype):
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
-        if self.dtype not in DTYPE_CODES:
-            raise UserError(f"dtype {self.dtype} cannot be stored in an MMIDIDX index; use one of "
-                            f"{sorted(str(np.dtype(d)) for d in DTYPES.values())}")
+        if self.dtype not in DTYPE_CODES or self.dtype.kind not in "iu":
+            raise UserError(f"dtype {self.dtype} cannot store token ids (token ids are integers); use one of "
+                            f"{sorted(str(np.dtype(d)) for d in DTYPES.values() if np.dtype(d).kind in 'iu')}")
+        self._limits = np.iinfo(self.dtype)
         Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-        self._bin = open(prefix + ".bin", "wb")
+        self._tmp_bin, self._tmp_idx = temporary_path(prefix + ".bin"), temporary_path(prefix + ".idx")
+        self._bin = open(self._tmp_bin, "wb")
         self._lengths: list[int] = []
 
     def add_document(self, ids) -> None:
-        array = np.asarray(ids, dtype=self.dtype)
+        array = np.asarray(ids)
+        if array.size:
+            if array.dtype.kind not in "iu":
+                raise UserError(f"{self.prefix}: a document of {array.dtype} token ids; token ids are integers: "
+                                f"pass the tokenizer's ids")
+            low, high = int(array.min()), int(array.max())
+            if low < self._limits.min or high > self._limits.max:
+                bad = low if low < self._limits.min else high
+                raise UserError(f"{self.prefix}: token id {bad} does not fit {self.dtype} "
+                                f"[{self._limits.min}, {self._limits.max}]: write the dataset with a wider dtype")
+        array = array.astype(self.dtype, copy=False)
         self._bin.write(array.tobytes(order="C"))
         self._lengths.append(len(array))
 
@@ -169,7 +237,8 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         document_indices = np.arange(len(lengths) + 1, dtype=np.int64)
-        with open(self.prefix + ".idx", "wb") as file:
+        bin_bytes = os.path.getsize(self._tmp_bin)
+        with open(self._tmp_idx, "wb") as file:
             file.write(MAGIC)
             file.write(struct.pack("<Q", VERSION))
             file.write(struct.pack("<B", DTYPE_CODES[self.dtype]))
@@ -178,6 +247,11 @@ class IndexedDatasetWriter:
             file.write(lengths.tobytes(order="C"))
             file.write(pointers.tobytes(order="C"))
             file.write(document_indices.tobytes(order="C"))
+            file.write(TRAILER_MAGIC + struct.pack("<BQ", TRAILER_VERSION, bin_bytes)
+                       + bin_digest(self._tmp_bin, bin_bytes))
+        # The .idx first: stopped between the two, the new .idx refuses the old .bin by its record.
+        os.replace(self._tmp_idx, self.prefix + ".idx")
+        os.replace(self._tmp_bin, self.prefix + ".bin")
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self
@@ -185,7 +259,8 @@ class IndexedDatasetWriter:
     def __exit__(self, kind, value, traceback) -> None:
         if kind is None:
             self.finalize()
-        else:
-            # A .bin without its .idx would only confuse the next reader: leave nothing behind.
-            self._bin.close()
-            os.remove(self.prefix + ".bin")
+            return
+        self._bin.close()
+        for path in (self._tmp_bin, self._tmp_idx):
+            if os.path.exists(path):
+                os.remove(path)

@@ -16,12 +16,11 @@ import hashlib
 import json
 import logging
 import os
-import uuid
 from pathlib import Path
 
 import numpy as np
 
-from dtrain.data.indexed import IndexedDataset
+from dtrain.data.indexed import IndexedDataset, temporary_path
 
 logger = logging.getLogger("dtrain")
 
@@ -64,7 +63,7 @@ def write_atomic(path: Path, write) -> None:
     """`write(file)` into a temporary file beside `path`, then renamed into place: a reader never
     sees a half-written file (ranks of one job build the same index at once; a writer stopped
     midway leaves the last whole file)."""
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    temporary = Path(temporary_path(path))
     try:
         with open(temporary, "wb") as file:
             write(file)

@@ -1,0 +1,160 @@
+"""Token data as a hostile or unlucky user hands it over: a .bin that does not belong to its .idx,
+a preprocessor stopped while it overwrites a dataset, token ids that are not integers or do not
+fit, text that is not text, and input files of the wrong shape: each is a one-line error that
+says what to change (or, where stated, repaired and reported once), never silent wrong data."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dtrain.data import BUNDLED_TOKENIZER, TokenDataset
+from dtrain.data.indexed import HEADER_BYTES, IndexedDataset, IndexedDatasetWriter
+from models.errors import UserError
+from tests.launch import REPO, cli_env
+from tests.test_indexed_data import write_megatron
+from tools.preprocess_data import preprocess
+
+SEQ_LEN = 16
+TOKENIZER = str(BUNDLED_TOKENIZER)
+
+
+def dataset(data, tmp_path, vocab=1 << 16, **kwargs):
+    return TokenDataset(str(data), None, SEQ_LEN, vocab, 0, cache_dir=str(tmp_path / "cache"), **kwargs)
+
+
+def one_line(caught) -> str:
+    message = str(caught.value)
+    assert "\n" not in message, message
+    return message
+
+
+def documents(count: int, seed: int) -> list[list[int]]:
+    lengths = np.random.RandomState(seed).randint(20, 60, size=count)
+    return [list(range(i, i + length)) for i, length in enumerate(lengths)]
+
+
+def write_jsonl(path, texts) -> str:
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts), encoding="utf-8")
+    return str(path)
+
+
+TEXTS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i % 7} times." for i in range(200)]
+
+
+# ---- a .bin and its .idx -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [2, 400], ids=["one-token", "many"])
+def test_a_bin_longer_than_its_index_is_refused(tmp_path, extra):
+    prefix = write_megatron(tmp_path / "pair", documents(30, seed=0))
+    with open(prefix + ".bin", "ab") as file:
+        file.write(b"\x01" * extra)
+    with pytest.raises(UserError) as caught:
+        dataset(prefix, tmp_path)
+    assert f"pair.bin is {os.path.getsize(prefix + '.bin')} bytes but" in one_line(caught)
+    assert "describes" in one_line(caught) and "belong together" in one_line(caught)
+
+
+def test_an_index_from_another_preprocessing_run_is_refused(tmp_path):
+    """The same documents in another order: a .bin of exactly the size the .idx expects, with
+    other contents. The .idx dtrain writes records the .bin it describes."""
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    preprocess(write_jsonl(old, TEXTS), str(tmp_path / "a"), append_eod=True, tokenizer=TOKENIZER, log=io.StringIO())
+    preprocess(write_jsonl(new, TEXTS[::-1]), str(tmp_path / "b"), append_eod=True, tokenizer=TOKENIZER, log=io.StringIO())
+    assert os.path.getsize(tmp_path / "a.bin") == os.path.getsize(tmp_path / "b.bin")
+    shutil.copy(tmp_path / "b.idx", tmp_path / "a.idx")  # b's index beside a's tokens
+    with pytest.raises(UserError, match=r"a.bin is not the file a.idx was written with") as caught:
+        IndexedDataset(str(tmp_path / "a"))
+    one_line(caught)
+
+
+def test_the_index_stays_readable_as_megatron_reads_it(tmp_path):
+    """Megatron's reader takes the header's counts and reads the three arrays at their offsets,
+    ignoring what follows them: the record of the .bin after them changes nothing it reads."""
+    prefix = str(tmp_path / "d")
+    preprocess(write_jsonl(tmp_path / "d.jsonl", TEXTS), prefix, append_eod=True, tokenizer=TOKENIZER, log=io.StringIO())
+    raw = np.memmap(prefix + ".idx", mode="r", order="C")
+    assert bytes(raw[:9]) == b"MMIDIDX\x00\x00"
+    version, code, sequences, count = struct.unpack("<QBQQ", bytes(raw[9:HEADER_BYTES]))
+    buffer = memoryview(raw)
+    lengths = np.frombuffer(buffer, np.int32, sequences, HEADER_BYTES)
+    pointers = np.frombuffer(buffer, np.int64, sequences, HEADER_BYTES + lengths.nbytes)
+    document_indices = np.frombuffer(buffer, np.int64, count, HEADER_BYTES + lengths.nbytes + pointers.nbytes)
+    read = IndexedDataset(prefix)
+    assert (version, code) == (1, 8)
+    assert np.array_equal(lengths, read.lengths) and np.array_equal(pointers, read.pointers)
+    assert np.array_equal(document_indices, read.document_indices) and document_indices[-1] == sequences
+    assert os.path.getsize(prefix + ".bin") == 2 * int(lengths.sum())
+
+
+def test_a_failed_preprocessing_run_leaves_the_earlier_dataset_whole(tmp_path):
+    prefix = str(tmp_path / "data")
+    preprocess(write_jsonl(tmp_path / "good.jsonl", TEXTS), prefix, tokenizer=TOKENIZER, log=io.StringIO())
+    before = {suffix: open(prefix + suffix, "rb").read() for suffix in (".bin", ".idx")}
+    bad = tmp_path / "bad.jsonl"
+    write_jsonl(bad, TEXTS[::-1])
+    with open(bad, "a") as file:
+        file.write("not json\n")
+    with pytest.raises(UserError, match="is not JSON"):
+        preprocess(str(bad), prefix, tokenizer=TOKENIZER, log=io.StringIO())
+    assert {suffix: open(prefix + suffix, "rb").read() for suffix in (".bin", ".idx")} == before
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "data.bin", "data.idx", "good.jsonl"]
+
+
+def test_a_preprocessor_killed_while_overwriting_leaves_the_earlier_dataset_whole(tmp_path):
+    prefix = str(tmp_path / "data")
+    preprocess(write_jsonl(tmp_path / "small.jsonl", TEXTS), prefix, tokenizer=TOKENIZER, log=io.StringIO())
+    before = {suffix: open(prefix + suffix, "rb").read() for suffix in (".bin", ".idx")}
+    big = write_jsonl(tmp_path / "big.jsonl", TEXTS * 2000)
+    command = [sys.executable, "-m", "tools.preprocess_data", "--input", big, "--output-prefix", prefix,
+               "--tokenizer", TOKENIZER]
+    process = subprocess.Popen(command, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # Killed once it writes tokens: a temporary file appears, or the old .bin is overwritten.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            started = any(name.endswith(".tmp") for name in os.listdir(tmp_path))
+            if started or os.path.getsize(prefix + ".bin") != len(before[".bin"]):
+                break
+            time.sleep(0.01)
+        assert process.poll() is None, "the preprocessor finished before it could be killed"
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait()
+    assert {suffix: open(prefix + suffix, "rb").read() for suffix in (".bin", ".idx")} == before
+    assert IndexedDataset(prefix).num_documents == len(TEXTS)
+
+
+# ---- token ids ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_float_token_ids_are_refused(tmp_path, dtype):
+    tokens = [[1.5, 2.0, float("nan")] + list(range(40))] * 4
+    prefix = write_megatron(tmp_path / "floats", tokens, dtype=dtype)
+    with pytest.raises(UserError, match=rf"floats.idx stores token ids as {np.dtype(dtype)}; token ids are "
+                                        rf"integers") as caught:
+        dataset(prefix, tmp_path)
+    one_line(caught)
+
+
+def test_the_writer_refuses_ids_that_are_not_integers_or_do_not_fit(tmp_path):
+    with pytest.raises(UserError, match="token ids are integers"):
+        IndexedDatasetWriter(str(tmp_path / "f"), np.float32)
+    for ids, message in (([1.7, 2.2], r"float64 token ids; token ids are integers"),
+                         ([5, 70000], r"token id 70000 does not fit uint16"),
+                         ([-1, 5], r"token id -1 does not fit uint16")):
+        with pytest.raises(UserError, match=message):
+            with IndexedDatasetWriter(str(tmp_path / "w"), np.uint16) as writer:
+                writer.add_document([3, 4])
+                writer.add_document(ids)
+        assert not os.listdir(tmp_path), os.listdir(tmp_path)  # nothing left behind
