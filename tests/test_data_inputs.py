@@ -17,13 +17,14 @@ import time
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from dtrain.data import BUNDLED_TOKENIZER, TokenDataset
 from dtrain.data.indexed import HEADER_BYTES, IndexedDataset, IndexedDatasetWriter
 from models.errors import UserError
 from tests.launch import REPO, cli_env
 from tests.test_indexed_data import write_megatron
-from tools.preprocess_data import preprocess
+from tools.preprocess_data import main as preprocess_main, preprocess
 
 SEQ_LEN = 16
 TOKENIZER = str(BUNDLED_TOKENIZER)
@@ -158,3 +159,75 @@ def test_the_writer_refuses_ids_that_are_not_integers_or_do_not_fit(tmp_path):
                 writer.add_document([3, 4])
                 writer.add_document(ids)
         assert not os.listdir(tmp_path), os.listdir(tmp_path)  # nothing left behind
+
+
+# ---- text that is not text ---------------------------------------------------------------------
+
+def test_a_lone_surrogate_is_replaced_and_reported_once(tmp_path):
+    texts = ["fine", "broken \ud800 here", "also \udfff broken", "fine again"]
+    path = tmp_path / "surrogates.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")  # \ud800 escaped
+    log = io.StringIO()
+    counts = preprocess(str(path), str(tmp_path / "out"), tokenizer=TOKENIZER, log=log)
+    tokenizer = Tokenizer.from_file(str(BUNDLED_TOKENIZER))
+    read = IndexedDataset(str(tmp_path / "out"))
+    expected = [tokenizer.encode(t.replace("\ud800", "\ufffd").replace("\udfff", "\ufffd"),
+                                 add_special_tokens=False).ids for t in texts]
+    assert [read.sequence(i).tolist() for i in range(len(read))] == expected
+    named = [line for line in log.getvalue().splitlines() if f"{path}:" in line]
+    assert len(named) == 1 and f"{path}:2 " in named[0] and "U+FFFD" in named[0], log.getvalue()
+    assert counts["replaced"] == 2 and "2 documents with lone surrogates replaced" in log.getvalue()
+
+
+def test_a_document_too_long_for_the_index_is_refused_before_it_is_read(tmp_path):
+    huge = np.broadcast_to(np.uint16(1), (2**31,))  # 2^31 ids, no memory: lengths are int32
+    with pytest.raises(UserError, match=r"a document of 2,147,483,648 tokens; the index holds at most "
+                                        r"2,147,483,647 per document"):
+        with IndexedDatasetWriter(str(tmp_path / "w"), np.uint16) as writer:
+            writer.add_document(huge)
+    assert not os.listdir(tmp_path)
+
+
+# ---- the preprocessor's input --------------------------------------------------------------------
+
+def test_preprocess_takes_plain_text_and_the_bundled_tokenizer_by_default(tmp_path):
+    path = tmp_path / "lines.txt"
+    lines = ["First document, one line.", "", "Second one: the quick brown fox.", "  indented third  "]
+    path.write_text("\r\n".join(lines) + "\r\n", encoding="utf-8")
+    counts = preprocess(str(path), str(tmp_path / "out"), append_eod=True, log=io.StringIO())
+    tokenizer = Tokenizer.from_file(TOKENIZER)
+    eod = tokenizer.token_to_id("<|endoftext|>")
+    read = IndexedDataset(str(tmp_path / "out"))
+    expected = [tokenizer.encode(line, add_special_tokens=False).ids + [eod] for line in lines if line]
+    assert [read.sequence(i).tolist() for i in range(len(read))] == expected
+    assert counts["documents"] == 3 and counts["empty"] == 1
+
+
+def test_a_missing_tokenizer_names_the_bundled_one(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "d.jsonl", TEXTS[:3])
+    assert preprocess_main(["--input", path, "--output-prefix", str(tmp_path / "o"), "--tokenizer",
+                            "tokenizer.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("preprocess_data: error: --tokenizer 'tokenizer.json' is not an existing file") and \
+        "\n" not in err and "leave --tokenizer out" in err and str(BUNDLED_TOKENIZER) in err, err
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"text": 5}\n', r"d.jsonl:1: 'text' holds a number, not a string: pass --json-key with the key that holds"),
+    ('["text", "x"]\n', r"d.jsonl:1 is an array, not an object"),
+    ("\n\n  \n", r"d.jsonl holds no documents \(3 lines, all empty\)"),
+    ("", r"d.jsonl holds no documents \(0 lines"),
+])
+def test_preprocess_input_of_the_wrong_shape_is_one_line(tmp_path, content, message):
+    (tmp_path / "d.jsonl").write_text(content, encoding="utf-8")
+    with pytest.raises(UserError, match=message) as caught:
+        preprocess(str(tmp_path / "d.jsonl"), str(tmp_path / "out"), tokenizer=TOKENIZER, log=io.StringIO())
+    one_line(caught)
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl"]
+
+
+def test_preprocess_skips_a_byte_order_mark(tmp_path):
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "with a BOM"}).encode() + b"\n")
+    preprocess(str(tmp_path / "bom.jsonl"), str(tmp_path / "out"), tokenizer=TOKENIZER, log=io.StringIO())
+    tokenizer = Tokenizer.from_file(TOKENIZER)
+    assert IndexedDataset(str(tmp_path / "out")).sequence(0).tolist() == tokenizer.encode("with a BOM").ids

@@ -356,14 +356,14 @@ def test_parts_without_data(unique, tmp_path):
 def test_preprocess_errors(tmp_path, jsonl):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"body": "no text key"}\n', encoding="utf-8")
-    with pytest.raises(UserError, match=r"bad.jsonl:2 has no string under key 'text' \(found \['body'\]\)"):
+    with pytest.raises(UserError, match=r"bad.jsonl:2 has no key 'text' \(it has \['body'\]\)"):
         preprocess(str(bad), str(tmp_path / "out"), tokenizer=str(BUNDLED_TOKENIZER))
     assert not (tmp_path / "out.bin").exists()  # no half-written pair is left behind
     bad.write_text('{"text": "fine"}\nnot json\n', encoding="utf-8")
     with pytest.raises(UserError, match=r"bad.jsonl:2 is not JSON"):
         preprocess(str(bad), str(tmp_path / "out"), tokenizer=str(BUNDLED_TOKENIZER))
-    with pytest.raises(UserError, match="no tokenizer"):
-        preprocess(str(jsonl[0]), str(tmp_path / "out"))
+    with pytest.raises(UserError, match="GPT-2 BPE needs both --vocab-file vocab.json and --merge-file"):
+        preprocess(str(jsonl[0]), str(tmp_path / "out"), vocab_file=str(BUNDLED_TOKENIZER))
     with pytest.raises(UserError, match="no end-of-document token <missing>"):
         preprocess(str(jsonl[0]), str(tmp_path / "out"), tokenizer=str(BUNDLED_TOKENIZER), append_eod=True,
                    eod_token="<missing>")

@@ -218,6 +218,9 @@ class IndexedDatasetWriter:
 
     def add_document(self, ids) -> None:
         array = np.asarray(ids)
+        if array.size > np.iinfo(np.int32).max:  # before a scan of it: lengths are int32 in the index
+            raise UserError(f"{self.prefix}: a document of {array.size:,} tokens; the index holds at most "
+                            f"{np.iinfo(np.int32).max:,} per document: split it")
         if array.size:
             if array.dtype.kind not in "iu":
                 raise UserError(f"{self.prefix}: a document of {array.dtype} token ids; token ids are integers: "
