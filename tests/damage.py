@@ -17,3 +17,16 @@ def flip_middle_bytes(path: Path) -> None:
 def same_size_garbage(path: Path, seed: int = 0) -> None:
     """Replaces the file's bytes by random ones of the same count."""
     path.write_bytes(random.Random(seed).randbytes(path.stat().st_size))
+
+
+def resign(path: Path) -> None:
+    """Recomputes a checkpoint's checksums after its files were changed, as anyone who can write
+    the checkpoint can: the checksums catch damage, not an attacker."""
+    import json
+
+    from dtrain.checkpoint import integrity
+    from dtrain.checkpoint import storage as ckpt
+
+    meta = json.loads((path / ckpt.META).read_text())
+    meta["files"] = integrity.manifest(path, [])
+    ckpt.write_meta(path, meta)

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
+from dtrain.checkpoint import reader
 from dtrain.checkpoint import storage as ckpt
 from dtrain.interop import hf
 from models.config import DeepSeekConfig, LlamaConfig, MoEConfig, RopeScaling, YarnScaling
@@ -122,11 +122,11 @@ def _find_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], LlamaConfi
 def _load_params(found: Path, cfg: LlamaConfig | MoEConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     expected = hf.param_shapes(cfg)
     meta, _ = ckpt.check_checkpoint(found, cfg, expected)
-    metadata = FileSystemReader(str(found)).read_metadata()
+    metadata = reader.read_metadata(found)
     state = {"model": {name: torch.empty(shape, dtype=metadata.state_dict_metadata[f"model.{name}"].properties.dtype)
                        for name, shape in expected.items()}}
     with _one_process():
-        dcp.load(state, checkpoint_id=str(found), no_dist=True)
+        reader.load(state, found, no_dist=True)
     return state["model"], meta
 
 

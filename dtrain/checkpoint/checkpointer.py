@@ -155,7 +155,7 @@ class Checkpointer:
             ckpt.load_train_state(self.model, self.optimizer, path, rank=self.rank, has_optim=has_optim)
             if self.fp8_scaling is not None:
                 self.fp8_scaling.load_state_dict(ckpt.load_fp8_state(path, list(self.fp8_scaling.layer_shapes())))
-        except ckpt.CorruptCheckpoint as problem:
+        except UserError as problem:  # damage, or a refusal (a file that is not plain data)
             error = problem
         resume.agree(error)
         if meta.get("scheduler"):

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from dtrain.checkpoint.reader import inside
+
 CHUNK_BYTES = 16 << 20
 # Written by the commit after the checksums are gathered: not part of the manifest.
 UNLISTED = ("meta.json", "COMPLETE")
@@ -76,6 +78,9 @@ def verify(directory: Path, files: dict[str, dict], rank: int = 0, world_size: i
         if index % world_size != rank and name != ".metadata":
             continue
         path = directory / name
+        if not inside(directory, name):  # never read a file the manifest names elsewhere
+            problems.append(f"file {name!r} lies outside the checkpoint")
+            continue
         if not path.is_file():
             problems.append(f"file {name} is missing")
             continue

@@ -33,13 +33,12 @@ import attrs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
 
-from dtrain.checkpoint import integrity
+from dtrain.checkpoint import integrity, reader
 from models.config import LlamaConfig
 from models.errors import UserError
 
@@ -178,9 +177,11 @@ def check_checkpoint(path: Path, model_cfg: LlamaConfig, param_shapes: dict[str,
         raise UserError(f"checkpoint {path} was saved for a model with {saved} but this run's model has {now}; "
                         f"set --model/--model-overrides to the checkpoint's shape or start without --resume")
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = reader.read_metadata(path)
         storage_data = dict(metadata.storage_data or {})
         saved_tensors = dict(metadata.state_dict_metadata)
+    except reader.UntrustedCheckpoint:
+        raise
     except Exception as error:  # an unpickler fed damaged bytes can raise almost anything
         raise CorruptCheckpoint(f"checkpoint {path} has no readable DCP .metadata ({type(error).__name__}); "
                                 f"it is corrupt: resume from an earlier checkpoint") from None
@@ -335,12 +336,12 @@ def load_train_state(model, optimizer, path: Path, *, rank: int, has_optim: bool
         if has_optim:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
             state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=str(path))
+            reader.load(state, path)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=OPTIONS)
         else:  # an imported checkpoint: weights only, at step 0 where AdamW has no state yet
             state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=str(path))
+            reader.load(state, path)
             set_model_state_dict(model, state["model"])
     except dcp.api.CheckpointException as error:
         first = str(error).strip().splitlines()[0][:200]
@@ -362,14 +363,14 @@ def load_train_state(model, optimizer, path: Path, *, rank: int, has_optim: bool
 def load_fp8_state(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """The FP8 scaling entries among `names` that the checkpoint holds, in their saved shapes
     (the caller adapts them); none for a checkpoint of a run without FP8 delayed scaling."""
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = reader.read_metadata(path).state_dict_metadata
     state = {}
     for name in names:
         entry = saved.get(f"{FP8}.{name}")
         if entry is not None and hasattr(entry, "size"):
             state[name] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     if state:
-        dcp.load({FP8: state}, checkpoint_id=str(path))
+        reader.load({FP8: state}, path)
     return state
 
 
