@@ -148,9 +148,13 @@ class TrainArgs:
                                       "a run with checkpoints also saves at its end")
     keep_last: int = _field(0, "keep only the newest K checkpoints (0: keep all)")
     async_checkpoint: bool = _field(False, "write checkpoints in the background while training goes on")
-    resume: str | None = _field(None, "continue from a checkpoint: alone, the latest in --run-dir (none "
-                                      "yet: start at step 0); or a step_NNNNNN or run directory",
-                                const="latest")
+    resume: str | None = _field(None, "continue from a checkpoint: alone (or latest), the latest valid one in --run-dir, "
+                                "which must exist; auto: the same, or step 0 where --run-dir never had a checkpoint "
+                                "(for jobs that restart; every checkpoint corrupt still stops the run); or a "
+                                "step_NNNNNN or run directory", const="latest")
+    start_over: bool = _field(False, "with --resume latest or auto: start at step 0 where --run-dir holds no valid "
+                                     "checkpoint, even where its checkpoints were all found corrupt (they stay, "
+                                     "set aside as step_N.corrupt); a valid checkpoint is still resumed")
     init_from_hf: str | None = _field(None, "start from the weights of a Hugging Face Llama, Mixtral or DeepSeek-V3 "
                                             "checkpoint directory (config.json + safetensors)")
     init_timeout: float = _field(600.0, "seconds a collective may wait, and a phase may last, while the run starts "

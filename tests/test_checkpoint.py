@@ -101,7 +101,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_continues(reference, tmp_pa
 @pytest.mark.slow
 def test_save_killed_midway_leaves_the_previous_checkpoint(reference, tmp_path, monkeypatch):
     _, losses = reference
-    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "2", "--resume"]
+    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "2", "--resume", "auto"]
     checkpoints = tmp_path / ckpt.CHECKPOINTS
     # Killed while writing the shards of step 4: step 2 stays the latest valid checkpoint.
     monkeypatch.setenv("DTRAIN_TEST_DIE_WHERE", "shards")
@@ -127,7 +127,7 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(reference, tmp_path, 
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
-    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "1", "--resume"]
+    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "1", "--resume", "auto"]
     model_cfg = get_model_config("tiny")
     shapes = _tiny_param_shapes()
     rng = random.Random()

@@ -63,7 +63,7 @@ def test_the_srun_command_starts_one_torchrun_per_node_around_a_c10d_rendezvous(
     torchrun = slurm.torchrun_command(job, 8, slurm.default_port(job.job_id), 3, ["--model", "llama3-8b"])
     assert torchrun[1:] == ["-m", "torch.distributed.run", "--nnodes=3", "--nproc-per-node=8", "--rdzv-backend=c10d",
                             "--rdzv-endpoint=gpu-a:29577", "--rdzv-id=77", "--max-restarts=3", "-m", "dtrain.run",
-                            "--model", "llama3-8b", "--resume"]
+                            "--model", "llama3-8b", "--resume", "auto"]
     assert slurm.torchrun_command(job, 8, 1, 0, ["--resume", "runs/x"])[-2:] == ["--resume", "runs/x"]
     srun = slurm.srun_command(job, Path("runs/a/logs"), torchrun)
     assert srun[:7] == ["srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
@@ -139,7 +139,7 @@ def test_two_nodes_under_the_batch_script_train_like_one_and_requeue_on_usr1(tmp
     [call] = [json.loads(line) for line in (tmp_path / "record" / "srun.jsonl").read_text().splitlines()]
     assert {"--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"} <= set(call["options"])
     assert {"--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=4242", "--max-restarts=3"} <= set(call["command"]) and call["command"][-1] == "--resume"
+            "--rdzv-id=4242", "--max-restarts=3"} <= set(call["command"]) and call["command"][-2:] == ["--resume", "auto"]
     logs = sorted((run_dir / "logs").glob("node_*.log"))
     assert [p.name for p in logs] == ["node_000.log", "node_001.log"]
     text = "".join(p.read_text() for p in logs)

@@ -71,7 +71,7 @@ def test_a_fresh_start_sets_the_record_aside_and_a_restart_after_two_alike_stops
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # two start-ups of two processes
 def test_a_rank_killed_mid_run_restarts_every_rank_from_the_latest_checkpoint_bit_for_bit(tmp_path, dp2_run):
-    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "2", "--resume"]
+    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "2", "--resume", "auto"]
     result = run_cli(args, nproc=2, torchrun_args=("--max-restarts", "1"), env={"DTRAIN_FAULT": "crash@rank1:step5"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "fault injection: crash@rank1:step5" in result.stdout
@@ -88,7 +88,7 @@ def test_a_failure_that_comes_back_at_the_same_step_stops_the_restarts(tmp_path)
     """Rank 1 crashes at step 3 in every attempt (tests.workers.crash_every_time). Attempt 0 saves
     step 2 and fails; attempt 1 resumes from it and fails alike; attempt 2 stops at once with one
     line, before importing torch, and so does attempt 3, the last torchrun allows."""
-    args = [*TINY_ARGS, "--steps", "4", "--run-dir", str(tmp_path), "--checkpoint-every", "2", "--resume"]
+    args = [*TINY_ARGS, "--steps", "4", "--run-dir", str(tmp_path), "--checkpoint-every", "2", "--resume", "auto"]
     result = run_cli(args, nproc=2, module="tests.workers.crash_every_time", torchrun_args=("--max-restarts", "3"),
                      env={"DTRAIN_FAULT": "crash@rank1:step3"})
     output = result.stdout + result.stderr

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(extra[extra.index("--run-dir") + 1])
     fault = f"crash@rank{args.rank}:step{args.kill_at}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               "--max-restarts=1", "-m", "dtrain.run", *extra, "--resume"]
+               "--max-restarts=1", "-m", "dtrain.run", *extra, "--resume", "auto"]
     result = subprocess.run(command, env={**os.environ, "DTRAIN_FAULT": fault})
     if result.returncode != 0:
         raise SystemExit(f"error: the run failed (exit {result.returncode}); see {run_dir}/train.log")

@@ -54,6 +54,11 @@ class Checkpointer:
         if self.every < 0 or self.keep_last < 0:
             raise UserError(f"--checkpoint-every {self.every} and --keep-last {self.keep_last} must be >= 0 "
                             f"(0 turns checkpoints off / keeps them all)")
+        if t.start_over and t.resume is None:
+            raise UserError("--start-over needs --resume: a run without --resume starts at step 0 anyway")
+        if t.start_over and t.resume not in (ckpt.LATEST, ckpt.AUTO):
+            raise UserError(f"--start-over applies to --resume latest or auto (the checkpoints of --run-dir); "
+                            f"--resume {t.resume} loads that checkpoint or stops: drop one of them")
         self.pending: ckpt.PendingSave | None = None
         self.last_saved: int | None = None
         self.stop_signal: int | None = None
@@ -90,8 +95,6 @@ class Checkpointer:
             if isinstance(found, str):
                 raise UserError(found)  # on every rank, not on rank 0 alone
             candidates, explicit = found
-            if not candidates:
-                logger.info("--resume: no checkpoint in %s yet; starting from step 0", self.root)
             for index, path in enumerate(candidates):
                 try:
                     return self._load(path)
@@ -99,12 +102,41 @@ class Checkpointer:
                     if explicit:
                         raise
                     self._set_aside(path, error, candidates[index + 1] if index + 1 < len(candidates) else None)
-            if candidates:
+            if t.resume in (ckpt.LATEST, ckpt.AUTO):
+                self._start_without_checkpoint(candidates)
+            elif candidates:
                 raise ckpt.CorruptCheckpoint(f"--resume {t.resume}: every checkpoint ({len(candidates)}) is corrupt "
-                                             f"(see the log); start without --resume or restore them from a copy")
+                                             f"(see the log); restore them from a copy, or start without --resume")
         if t.init_from_hf:
             self._load_hf(t.init_from_hf)
         return resume.Resumed()
+
+    def _start_without_checkpoint(self, tried: list[Path]) -> None:
+        """`--resume latest|auto` found no valid checkpoint in the run directory (`tried`: those
+        found corrupt just now). Step 0 where it never had one and `auto` or --start-over allows it,
+        and where every one was corrupt only with --start-over; otherwise an error on every rank,
+        so that a restart never drops the progress of a run without saying so."""
+        t, refusal, note = self.config.train, None, None
+        if self.is_main:
+            corrupt = ckpt.set_aside(self.root) or [path.name for path in tried]
+            if corrupt and not t.start_over:
+                refusal = (f"--resume {t.resume}: no valid checkpoint in {self.root}: every one is corrupt "
+                           f"({', '.join(corrupt)}); restore them from a copy, or add --start-over to train again "
+                           f"from step 0")
+            elif corrupt:
+                note = (f"--start-over: no valid checkpoint in {self.root} (the corrupt ones stay: "
+                        f"{', '.join(corrupt)}); starting from step 0")
+            elif t.resume == ckpt.AUTO or t.start_over:
+                note = f"--resume {t.resume}: no checkpoint in {self.root} yet; starting from step 0"
+            else:
+                refusal = (f"--resume latest: no checkpoint in {self.root}; leave out --resume to start a new run, or "
+                           f"use --resume auto where a job restarts (the latest checkpoint if there is one, else step "
+                           f"0), or add --start-over")
+        refusal, note = ckpt.broadcast_from_main((refusal, note))
+        if refusal is not None:
+            raise UserError(refusal)
+        if self.is_main:
+            logger.log(logging.WARNING if "corrupt" in note else logging.INFO, note)
 
     def _check_writable(self) -> None:
         """Every rank writes shards into the checkpoint directory: find a read-only one now, not

@@ -21,7 +21,7 @@ from dtrain.checkpoint.storage import CorruptCheckpoint
 from models.errors import UserError
 
 # Settings whose change is the point of resuming, not news.
-_NOT_REPORTED = {"train.resume", "train.run_dir", "train.init_from_hf"}
+_NOT_REPORTED = {"train.resume", "train.start_over", "train.run_dir", "train.init_from_hf"}
 
 
 @attrs.frozen

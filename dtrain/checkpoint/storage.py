@@ -49,9 +49,12 @@ READABLE_FORMATS = (1, 2)
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 META = "meta.json"
-LATEST = "latest"  # the value of a bare --resume
+LATEST = "latest"  # the value of a bare --resume: the latest checkpoint of --run-dir, which must exist
+AUTO = "auto"  # --resume auto: the latest checkpoint of --run-dir if it ever had one, else step 0
+CORRUPT = ".corrupt"  # the suffix of a checkpoint a resume found corrupt and set aside
 FP8 = "fp8"  # the state dict entry of FP8 delayed scaling's state
 _NAME = re.compile(r"^step_(\d+)$")
+_SET_ASIDE = re.compile(r"^step_\d+\.corrupt$")
 # Names this module may leave behind when a process dies: a save in progress, a replaced one.
 _LEFTOVER = re.compile(r"^step_\d+(\.tmp|\.old)?$")
 
@@ -89,8 +92,8 @@ def remove_incomplete(root: Path) -> list[str]:
 def resume_candidates(value: str, run_dir: Path) -> tuple[list[Path], bool]:
     """The checkpoints that `--resume VALUE` may load, newest first, and whether VALUE named one
     checkpoint (then it is the only candidate). `latest` is the run directory's committed ones
-    (none yet: []); a path is a step directory or a directory holding them."""
-    if value == LATEST:
+    (none yet: []), and so is `auto`; a path is a step directory or a directory holding them."""
+    if value in (LATEST, AUTO):
         return [path for _, path in reversed(valid_checkpoints(run_dir / CHECKPOINTS))], False
     path = Path(value)
     if not path.is_dir():
@@ -101,6 +104,13 @@ def resume_candidates(value: str, run_dir: Path) -> tuple[list[Path], bool]:
         raise UserError(f"--resume {value}: holds no complete checkpoint (a step_NNNNNN directory with a "
                         f"{COMPLETE} file); pass another directory or leave --resume out")
     return candidates, named
+
+
+def set_aside(root: Path) -> list[str]:
+    """The checkpoints under `root` that a resume found corrupt and renamed `step_N.corrupt`."""
+    if not root.is_dir():
+        return []
+    return sorted(child.name for child in root.iterdir() if child.is_dir() and _SET_ASIDE.match(child.name))
 
 
 def checkpoints_at(path: Path) -> tuple[list[Path], bool]:

@@ -11,7 +11,8 @@ Run inside the allocation (tools/slurm.sbatch execs it, so that it is the proces
 2. `srun` starts on every node `python -m dtrain.launch node`, which appends to
    RUN_DIR/logs/node_NNN.log and becomes `torchrun --nnodes N --nproc-per-node G --rdzv-backend
    c10d --rdzv-endpoint HEAD:PORT --rdzv-id $SLURM_JOB_ID --max-restarts R -m dtrain.run ARGS
-   --resume`: a rank that dies restarts the workers of every node from the latest checkpoint;
+   --resume auto`: a rank that dies restarts the workers of every node from the latest checkpoint
+   (the job's first start, with none yet, at step 0; checkpoints that are all corrupt stop it);
 3. on SIGUSR1 (`#SBATCH --signal=B:USR1@120`: the time limit is 120 s away) it asks the run to
    save and stop (RUN_DIR/stop, see dtrain.resilience.stop_request), waits for it, and requeues
    the job (`scontrol requeue $SLURM_JOB_ID`), which resumes from that checkpoint. A SIGTERM
@@ -117,7 +118,8 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def torchrun_command(job: SlurmJob, nproc: int, port: int, max_restarts: int, train_args: list[str]) -> list[str]:
     if not any(arg == "--resume" or arg.startswith("--resume=") for arg in train_args):
-        train_args = [*train_args, "--resume"]  # a restart, or a requeued job, continues where it stopped
+        # A restart, or a requeued job, continues where it stopped; the first start begins at step 0.
+        train_args = [*train_args, "--resume", "auto"]
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(job.nodes)}",
             f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={job.nodes[0]}:{port}",
             f"--rdzv-id={job.job_id}", f"--max-restarts={max_restarts}", "-m", "dtrain.run", *train_args]

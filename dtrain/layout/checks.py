@@ -156,7 +156,9 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
         # The rows of one matmul: a rank's micro-batch (its cp chunks); MoE layers split them over tp.
         tokens = config.data.micro_batch * config.data.seq_len // (mesh_spec.cp * (tp if is_moe else 1))
         precision.validate_fp8(t.fp8, t.fp8_backend, _matmul_widths(model_cfg, tp, t.fp8_head), tokens)
-    for name, path in (("--resume", t.resume if t.resume != "latest" else None), ("--init-from-hf", t.init_from_hf)):
+    run_dirs_own = ("latest", "auto")  # --resume of --run-dir's checkpoints, not a path
+    for name, path in (("--resume", t.resume if t.resume not in run_dirs_own else None),
+                       ("--init-from-hf", t.init_from_hf)):
         if path is not None and not Path(path).exists():
             raise UserError(f"{name} {path}: no such checkpoint directory")
 
