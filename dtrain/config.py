@@ -20,7 +20,7 @@ def _field(default: Any, help: str, choices: tuple | None = None, const: Any = N
 
 @attrs.frozen
 class ModelArgs:
-    model: str = _field("tiny", "model preset (see models/config.py)")
+    model: str = _field("tiny", "model preset (see models/presets.py)")
     model_overrides: str = _field("", "changes to the preset's shape, e.g. num_layers=2,vocab_size=1000")
 
 

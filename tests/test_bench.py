@@ -219,7 +219,7 @@ def test_a_missing_or_broken_results_file_is_one_line(tmp_path, capsys, content,
 
 
 def test_the_experts_benchmark_refuses_a_machine_without_cuda_and_splits_rows_evenly(capsys, monkeypatch):
-    from models.config import get_model_config
+    from models.presets import get_model_config
     from tools import bench_experts
 
     monkeypatch.setattr(bench_experts.torch.cuda, "is_available", lambda: False)

@@ -17,7 +17,7 @@ import pytest
 
 from dtrain.checkpoint import storage as ckpt
 from dtrain.run import main
-from models.config import get_model_config
+from models.presets import get_model_config
 from tests.damage import flip_middle_bytes, same_size_garbage
 from tests.launch import REPO, TINY_ARGS, run_cli, train_scalars
 

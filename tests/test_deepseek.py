@@ -13,10 +13,11 @@ import torch
 
 from dtrain.checkpoint.storage import shape_difference
 from models import deepseek, flops, llama, mla, moe, mtp, spec
-from models.config import DeepSeekConfig, YarnScaling, get_model_config
+from models.config import DeepSeekConfig, YarnScaling
 from models.context import LocalContext
 from models.errors import UserError
 from models.layers import rope_frequencies
+from models.presets import get_model_config
 from parallel import pipeline
 from parallel.expert_parallel import max_ranks_per_token
 

@@ -6,8 +6,8 @@ import attrs
 import torch
 
 from dtrain.metrics import format_line, peak_flops, peak_memory_gb
-from models.config import get_model_config
 from models.flops import flops_per_token, matmul_params
+from models.presets import get_model_config
 
 # llama-1b shape numbers, written out here rather than read from the preset.
 D, L, HEADS, KV_HEADS, FFN, VOCAB = 2048, 16, 32, 8, 8192, 128256

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from models import families
-from models.config import get_model_config
+from models.presets import get_model_config
 from parallel import precision
 from parallel.mesh import MeshSpec, build_device_mesh, build_expert_mesh
 from parallel.parallelize import parallelize

@@ -14,10 +14,10 @@ import torch
 from dtrain.checkpoint import storage as ckpt
 from dtrain.interop import hf
 from models import families, llama, mixtral, spec
-from models.config import PRESETS
 from models.context import LocalContext
 from models.errors import UserError
 from models.layers import rms_norm
+from models.presets import PRESETS
 from tests.launch import TINY_ARGS, run_cli, train_scalars
 from tools import hf_convert
 

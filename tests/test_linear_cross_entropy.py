@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from models import deepseek, linear_cross_entropy, llama, mtp, spec
-from models.config import get_model_config
 from models.context import LocalContext
+from models.presets import get_model_config
 from tests.launch import TINY_ARGS, run_cli, scalars, train_scalars
 
 RTOL = 1e-6

@@ -19,8 +19,8 @@ from dtrain.config import load_config
 from dtrain.planner import activations
 from dtrain.planner.workload import workload
 from models import llama, spec
-from models.config import get_model_config
 from models.context import LocalContext
+from models.presets import get_model_config
 
 pytestmark = pytest.mark.gpu
 

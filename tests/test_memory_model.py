@@ -13,8 +13,8 @@ from dtrain.config import load_config
 from dtrain.planner import activations, measured, memory, steptime
 from dtrain.planner.workload import workload
 from models import families, spec
-from models.config import get_model_config
 from models.context import LocalContext
+from models.presets import get_model_config
 from parallel import precision, recompute
 from tests.launch import REPO
 

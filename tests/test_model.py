@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from models import llama, spec
-from models.config import RopeScaling, get_model_config
+from models.config import RopeScaling
 from models.context import LocalContext, causal_attention
 from models.layers import apply_rope, rms_norm, rope_frequencies, rope_table
+from models.presets import get_model_config
 
 
 def _llama31_apply_scaling(freqs: list[float], scaling: RopeScaling) -> list[float]:

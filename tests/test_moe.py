@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from models import flops, mixtral, moe, spec
-from models.config import MoEConfig, get_model_config
+from models.config import MoEConfig
 from models.context import LocalContext, grouped_swiglu
 from models.errors import UserError
+from models.presets import get_model_config
 
 CFG = MoEConfig(dim=16, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=32,
                 num_experts=6, top_k=2, expert_ffn_dim=24)

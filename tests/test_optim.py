@@ -11,7 +11,7 @@ from torch import nn
 from dtrain.config import OptimArgs
 from dtrain.optim import build_optimizer, build_scheduler, lr_multiplier
 from models import llama, spec
-from models.config import get_model_config
+from models.presets import get_model_config
 
 WARMUP, TOTAL, LOW = 10, 111, 0.1   # 100 steps of decay: the last update (step 110) is at the minimum
 TOL = 1e-12

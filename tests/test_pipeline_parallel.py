@@ -60,7 +60,7 @@ def test_stage_assignment():
     assert pipeline.stage_ids(1, 4, 2, "interleaved-1f1b") == [1, 5]
     assert pipeline.stage_ids(1, 4, 2, "zbv") == [1, 6]
     from models import llama
-    from models.config import get_model_config
+    from models.presets import get_model_config
 
     layers = llama.layers(get_model_config("tiny"))
     names = [[layer.name for layer in pipeline.stage_layers(layers, [1, 3], s)] for s in (0, 1)]

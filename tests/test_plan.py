@@ -8,8 +8,8 @@ import pytest
 from torch.distributed.tensor import Replicate, Shard
 
 from models import llama, spec
-from models.config import get_model_config
 from models.errors import UserError
+from models.presets import get_model_config
 from parallel.mesh import MeshSpec
 from parallel.plan import DEFAULT_PARAM_RULES, Plan, resolve
 

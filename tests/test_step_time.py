@@ -68,7 +68,7 @@ def test_collectives_across_nodes_use_the_network_bandwidth():
 def test_mfu_follows_the_benchmark_convention():
     step = _step("--mesh", "dp=8")
     from models import flops
-    from models.config import get_model_config
+    from models.presets import get_model_config
 
     per_token = flops.flops_per_token(get_model_config("llama3-8b"), 8192)
     assert step.mfu() == pytest.approx(per_token * step.tokens_per_sec_per_gpu / 989e12)
@@ -78,7 +78,7 @@ def test_mfu_follows_the_benchmark_convention():
 def test_the_ceiling_is_the_gemms_and_attention_alone_at_the_measured_rates():
     from dtrain.planner.hardware import H200, TERA
     from models import flops
-    from models.config import get_model_config
+    from models.presets import get_model_config
 
     def config(*args: str):
         return load_config(["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "4", "--compile", *args])

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.config import get_model_config
+from models.presets import get_model_config
 from tests import fake_te
 from tests.launch import run_cli, scalars
 from tests.test_te_linear import _fp8_state

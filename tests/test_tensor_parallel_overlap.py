@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dtrain.config import load_config
 from dtrain.layout.checks import validate, with_global_batch
 from models import llama, spec
-from models.config import get_model_config
 from models.errors import UserError
+from models.presets import get_model_config
 from parallel import recompute, tensor_parallel
 from parallel.context import ParallelContext
 from parallel.mesh import MeshSpec, build_device_mesh

@@ -24,9 +24,10 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from models import llama, mla, spec
-from models.config import DeepSeekConfig, get_model_config
+from models.config import DeepSeekConfig
 from models.context import LocalContext
 from models.layers import attention_block
+from models.presets import get_model_config
 from parallel.context import CUDA_ATTENTION_PRIORITY, cudnn_takes_head_dims, fused_causal_attention
 from tools.commit import commit_hash
 

@@ -24,8 +24,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from models.config import get_model_config
 from models.context import grouped_swiglu
+from models.presets import get_model_config
 from parallel import te_linear
 from tools.commit import commit_hash
 from tools.bench_attention import cuda_ms_per_call

@@ -8,7 +8,7 @@ from dtrain.config import Config
 from dtrain.planner import advice, memory
 from dtrain.layout.checks import build_plan, validate, with_global_batch
 from models import families, flops
-from models.config import get_model_config
+from models.presets import get_model_config
 from parallel import pipeline
 from parallel.mesh import MeshSpec
 

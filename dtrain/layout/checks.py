@@ -13,9 +13,10 @@ import torch
 from dtrain import rank_model
 from dtrain.config import Config
 from dtrain.data import validate_data_args
-from models.config import DeepSeekConfig, LlamaConfig, MoEConfig, get_model_config
+from models.config import DeepSeekConfig, LlamaConfig, MoEConfig
 from models.errors import UserError
 from models.linear_cross_entropy import check_chunk_tokens
+from models.presets import get_model_config
 from parallel import pipeline, precision, recompute
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan

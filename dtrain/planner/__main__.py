@@ -22,8 +22,8 @@ from pathlib import Path
 from dtrain.planner.hardware import H200
 from dtrain.planner.search import Candidate, Target, fp8_flags, nothing_fits, search
 from dtrain.layout.checks import check_experts, check_head
-from models.config import get_model_config
 from models.errors import UserError
+from models.presets import get_model_config
 from parallel.precision import FP8_RECIPES, check_fp8_recipe
 
 END_MARKER = "<!-- end of python -m dtrain.planner -->"

@@ -24,8 +24,9 @@ from dtrain.config import Config, DataArgs, ModelArgs, ParallelArgs, TrainArgs
 from dtrain.planner import memory, steptime
 from dtrain.planner.hardware import GIGA, H200, Hardware
 from dtrain.planner.workload import Workload, workload
-from models.config import MoEConfig, get_model_config
+from models.config import MoEConfig
 from models.errors import UserError
+from models.presets import get_model_config
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4))
 MICRO_BATCHES = (1, 2, 4, 8, 16)

@@ -21,7 +21,8 @@ import attrs
 from dtrain.config import Config
 from dtrain.layout.checks import with_global_batch
 from models import families, flops, mixtral, spec
-from models.config import MoEConfig, get_model_config
+from models.config import MoEConfig
+from models.presets import get_model_config
 from parallel import data_parallel, pipeline, precision
 from parallel.expert_parallel import choose_dispatch
 from parallel.mesh import MeshSpec

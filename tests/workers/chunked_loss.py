@@ -12,7 +12,7 @@ import torch
 
 from dtrain.config import load_config
 from dtrain.run import main
-from models.config import get_model_config
+from models.presets import get_model_config
 from models import linear_cross_entropy
 from parallel.context import ParallelContext
 from parallel.mesh import MeshSpec

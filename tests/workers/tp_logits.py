@@ -9,7 +9,7 @@ import tempfile
 import torch.distributed._functional_collectives as funcol
 
 from dtrain.run import main
-from models.config import get_model_config
+from models.presets import get_model_config
 from parallel import tensor_parallel
 from parallel.context import ParallelContext
 from tests.launch import TINY_ARGS
