@@ -15,7 +15,7 @@ from parallel.mesh import MeshSpec
 
 class RankInputs:
     """`base` is the aux every micro-batch starts from: RoPE at this rank's positions, the loss
-    scale, and (a sliding window without documents) the one mask of every micro-batch."""
+    scale, and (windows or chunks without documents) the masks of every micro-batch."""
 
     def __init__(self, data: DataArgs, model_cfg, mesh_spec: MeshSpec, cp_rank: int, ctx, device: torch.device,
                  loss_scale: float):
@@ -26,7 +26,8 @@ class RankInputs:
                      if self.cp > 1 else torch.arange(data.seq_len))
         self.base = families.make_aux(model_cfg, positions.to(device), loss_scale=loss_scale)
         if not data.document_mask:
-            self.base = attrs.evolve(self.base, mask=llama.window_mask(model_cfg, ctx, data.micro_batch, data.seq_len))
+            self.base = attrs.evolve(self.base, masks=llama.one_document_masks(model_cfg, ctx, data.micro_batch,
+                                                                               data.seq_len))
 
     def tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of full-sequence rows: its load-balanced chunks when cp > 1."""
@@ -44,25 +45,29 @@ class RankInputs:
 
     def aux(self, batch) -> llama.Aux:
         """The micro-batch's labels (and tokens ahead, for multi-token prediction), and its
-        per-document positions and attention mask when asked for (this rank's chunks of the
-        positions under cp; the mask's forms for its attention)."""
+        per-document positions and attention masks when asked for (this rank's chunks of the
+        positions under cp; each mask's forms for its attention)."""
         changes = {"labels": self.tokens(batch[1])}
         if self.mtp_depth:
             changes["mtp_targets"] = self.tokens(mtp.future_targets(batch[1], self.mtp_depth))
         if self.data.reset_position_ids:
             changes["rope"] = families.rope(self.model_cfg, self.tokens(batch.position_ids))
         if self.data.document_mask:
-            changes["mask"] = self.ctx.attention_mask(batch.document_ids, self.model_cfg.sliding_window)
+            changes["masks"] = masking.layer_masks(self.model_cfg, self.ctx, batch.document_ids)
         return attrs.evolve(self.base, **changes)
 
-    def attended_pairs(self, micro_batches) -> int:
+    def attended_pairs(self, micro_batches) -> float:
         """Query-key pairs that attention needs over this rank's rows of a step (the sum over
-        documents of their causal, windowed attention), for the document-attention MFU."""
-        d, window = self.data, self.model_cfg.sliding_window
-        if not d.document_mask and window is None:
+        documents of their causal attention, windowed or chunked as each layer is), per layer
+        (the mean over the layers), for the document-attention MFU."""
+        d, cfg = self.data, self.model_cfg
+        kinds = [masking.mask_kind(kind) for kind in cfg.layer_kinds]
+        if not d.document_mask and set(kinds) == {"full"}:
             return len(micro_batches) * d.micro_batch * d.seq_len * (d.seq_len + 1) // 2
         total = 0
         for batch in micro_batches:
             document_ids = batch.document_ids if d.document_mask else torch.zeros_like(batch[0])
-            total += masking.attended_pairs(masking.first_keys(document_ids, window))
-        return total
+            pairs = {kind: masking.attended_pairs(masking.first_keys(document_ids, **masking.mask_extent(cfg, kind)))
+                     for kind in set(kinds)}
+            total += sum(pairs[kind] for kind in kinds)
+        return total / len(kinds)

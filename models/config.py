@@ -68,9 +68,18 @@ class LlamaConfig:
     # [num_heads * head_dim, dim], k/v_proj [num_kv_heads * head_dim, dim], o_proj
     # [dim, num_heads * head_dim], and RoPE turns head_dim dims. Read it as `cfg.head_dim`.
     explicit_head_dim: int | None = attrs.field(default=None, alias="head_dim")
+    # Attention kinds per layer, `LAYER_KINDS` joined by "-" and cycled over the layers ("window-full":
+    # even layers windowed, odd ones full); empty: every layer "window" with a sliding_window, else "full".
+    layer_pattern: str = ""
+    # Tokens per chunk of "chunk" layers: a query sees the keys of its own chunk of absolute positions.
+    attention_chunk: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _check_shape(self, ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size"))
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return layer_kinds(self)
 
     @property
     def head_dim(self) -> int:
@@ -95,6 +104,44 @@ def _check_shape(cfg, positive: tuple[str, ...]) -> None:
     if cfg.sliding_window is not None and cfg.sliding_window < 1:
         raise UserError(f"sliding_window={cfg.sliding_window} must be >= 1 (tokens each token sees, itself "
                         f"included), or none for full causal attention")
+    _check_layer_pattern(cfg)
+
+
+# What the attention of one layer is: "full" causal; "window", the last sliding_window keys; "chunk",
+# the keys of the query's attention_chunk-token chunk (chunks of absolute positions in the row);
+# "nope", full causal attention without RoPE (Llama 4's NoPE layers).
+LAYER_KINDS = ("full", "window", "chunk", "nope")
+
+
+def layer_kind(cfg, index: int) -> str:
+    """The attention kind (`LAYER_KINDS`) of layer `index`: `layer_pattern` cycled over the layers
+    (and on over multi-token prediction blocks, which number on from num_layers)."""
+    if not cfg.layer_pattern:
+        return "window" if cfg.sliding_window is not None else "full"
+    pattern = cfg.layer_pattern.split("-")
+    return pattern[index % len(pattern)]
+
+
+def layer_kinds(cfg) -> tuple[str, ...]:
+    return tuple(layer_kind(cfg, i) for i in range(cfg.num_layers))
+
+
+def _check_layer_pattern(cfg) -> None:
+    pattern = cfg.layer_pattern.split("-") if cfg.layer_pattern else []
+    unknown = [kind for kind in pattern if kind not in LAYER_KINDS]
+    if unknown:
+        raise UserError(f"layer_pattern={cfg.layer_pattern!r} names {unknown[0]!r}; its kinds, joined by '-' "
+                        f"and repeated over the layers, are {', '.join(LAYER_KINDS)}")
+    kinds = set(layer_kinds(cfg))
+    for kind, field, value in (("window", "sliding_window", cfg.sliding_window),
+                               ("chunk", "attention_chunk", cfg.attention_chunk)):
+        if kind in kinds and value is None:
+            raise UserError(f"layer_pattern={cfg.layer_pattern!r} has {kind!r} layers but {field} is none; set it")
+        if value is not None and kind not in kinds:
+            raise UserError(f"{field}={value} is set but no layer is a {kind!r} layer (layer_pattern="
+                            f"{cfg.layer_pattern!r}); set {field}=none or add {kind!r} to the pattern")
+    if cfg.attention_chunk is not None and cfg.attention_chunk < 1:
+        raise UserError(f"attention_chunk={cfg.attention_chunk} must be >= 1, or none")
 
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -148,8 +195,11 @@ class MoEConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    sliding_window: int | None = None  # as LlamaConfig's
-    explicit_head_dim: int | None = attrs.field(default=None, alias="head_dim")  # as LlamaConfig's
+    # As LlamaConfig's.
+    sliding_window: int | None = None
+    explicit_head_dim: int | None = attrs.field(default=None, alias="head_dim")
+    layer_pattern: str = ""
+    attention_chunk: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _check_shape(self, ("dim", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
@@ -180,6 +230,10 @@ class MoEConfig:
 
     def is_moe_layer(self, index: int) -> bool:
         return index >= self.first_dense_layers
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return layer_kinds(self)
 
     @property
     def has_selection_bias(self) -> bool:
@@ -247,6 +301,9 @@ class DeepSeekConfig(MoEConfig):
         if self.explicit_head_dim is not None:
             raise UserError(f"head_dim={self.explicit_head_dim}: MLA's heads are qk_nope_head_dim + qk_rope_head_dim "
                             f"wide (values v_head_dim); set those instead")
+        if "nope" in self.layer_kinds:
+            raise UserError(f"layer_pattern={self.layer_pattern!r} has NoPE layers, but MLA's keys carry RoPE; "
+                            f"use full, window or chunk layers")
 
     @property
     def qk_head_dim(self) -> int:

@@ -36,11 +36,13 @@ class ModelContext(Protocol):
     def embedding(self, tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Rows of `weight` [vocab, embed] for each token id."""
 
-    def attention_mask(self, document_ids: torch.Tensor, window: int | None = None) -> AttentionMask | None:
+    def attention_mask(self, document_ids: torch.Tensor, window: int | None = None,
+                       chunk: int | None = None) -> AttentionMask | None:
         """The mask of one micro-batch for `attention`: attention within each document of
-        `document_ids` [batch, seq] (full rows, on the host; zeros for one document per row) and
-        within `window` tokens back. Built once before the forward, in the forms this context's
-        kernels read, and shared by every layer; None where plain causal attention is the same."""
+        `document_ids` [batch, seq] (full rows, on the host; zeros for one document per row),
+        within `window` tokens back and within `chunk`-token chunks of absolute positions. Built
+        once before the forward, in the forms this context's kernels read, and shared by every
+        layer of its kind; None where plain causal attention is the same."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: AttentionMask | None = None, *, scale: float | None = None) -> torch.Tensor:
@@ -221,8 +223,8 @@ class LocalContext:
     def embedding(self, tokens, weight):
         return F.embedding(tokens, weight)
 
-    def attention_mask(self, document_ids, window=None):
-        first = masking.first_keys(document_ids, window)
+    def attention_mask(self, document_ids, window=None, chunk=None):
+        first = masking.first_keys(document_ids, window, chunk)
         if masking.is_plain_causal(first):
             return None
         positions = torch.arange(first.shape[1])

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from models import llama, mixtral, mla, moe, mtp, spec
-from models.config import DeepSeekConfig
+from models.config import DeepSeekConfig, layer_kind
 from models.context import ModelContext
 from models.layers import rms_norm
 from models.llama import RESIDUAL
@@ -42,7 +42,7 @@ def make_aux(cfg: DeepSeekConfig, positions: torch.Tensor, labels: torch.Tensor 
 def block_forward(p: dict, x: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg: DeepSeekConfig,
                   index: int) -> torch.Tensor:
     h = ctx.constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), RESIDUAL, "block_input")
-    attn = mla.attention(p["attn"], h, aux.rope, cfg, ctx, aux.mask)
+    attn = mla.attention(p["attn"], h, aux.rope, cfg, ctx, aux.mask(layer_kind(cfg, index)))
     x = x + ctx.constrain(attn, RESIDUAL, "residual")
     h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
     return x + ctx.constrain(mixtral.feed_forward(p, h, aux, ctx, cfg=cfg, index=index), RESIDUAL, "residual")
@@ -79,7 +79,7 @@ def forward(params: dict[str, Any], tokens: torch.Tensor, labels: torch.Tensor, 
     `mtp_stats`)."""
     aux = make_aux(cfg, torch.arange(tokens.shape[1], device=tokens.device), labels, router_stats,
                    mtp_stats=mtp_stats)
-    aux = attrs.evolve(aux, mask=llama.window_mask(cfg, ctx, *tokens.shape))
+    aux = attrs.evolve(aux, masks=llama.one_document_masks(cfg, ctx, *tokens.shape))
     by_name = {layer.name: layer for layer in layers(cfg)}
     mtp_layer, head = by_name.pop("mtp", None), by_name.pop("head")
     x = llama.run_layers(list(by_name.values()), params, tokens, aux, ctx)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from models import families, mixtral, spec
-from models.config import DeepSeekConfig, LlamaConfig, MoEConfig
+from models import families, masking, mixtral, spec
+from models.config import DeepSeekConfig, LlamaConfig, MoEConfig, layer_kind
 
 
 def _active_size(param: spec.ParamSpec, cfg: LlamaConfig | MoEConfig) -> int:
@@ -61,10 +61,23 @@ def attention_flops_per_token(cfg: LlamaConfig | MoEConfig, keys: float) -> floa
     return 6.0 * keys * width * (cfg.num_layers + mtp_depth(cfg))
 
 
+def convention_keys(cfg: LlamaConfig | MoEConfig, seq_len: int) -> float:
+    """Keys per query in the MFU convention, the mean over the attention layers (MTP blocks too):
+    the whole sequence S for full (and NoPE) layers, causal or not; the window or the chunk, where
+    shorter than S, for windowed and chunked layers, which attend that many keys at most."""
+    def keys(index: int) -> int:
+        extent = masking.mask_extent(cfg, masking.mask_kind(layer_kind(cfg, index)))
+        return min(seq_len, extent["window"] or seq_len, extent["chunk"] or seq_len)
+
+    layers = range(cfg.num_layers + mtp_depth(cfg))
+    return sum(map(keys, layers)) / len(layers)
+
+
 def flops_per_token(cfg: LlamaConfig | MoEConfig, seq_len: int, attended_keys: float | None = None) -> float:
     """6 N (forward + backward matmuls) + the attention scores and values (12 L d S for Llama, causal
-    or not: the convention of BENCHMARKS.md). With `attended_keys`, the mean number of keys a query
-    attends to, the attention term counts those keys instead of S: the work actually needed, which
-    for packed documents is the sum of their causal attention ((S + 1) / 2 keys for one causal document)."""
-    keys = seq_len if attended_keys is None else attended_keys
+    or not: the convention of BENCHMARKS.md; windowed and chunked layers by their window or chunk).
+    With `attended_keys`, the mean number of keys a query attends to in a layer, the attention term
+    counts those keys instead: the work actually needed, which for packed documents is the sum of
+    their causal attention ((S + 1) / 2 keys for one causal document)."""
+    keys = convention_keys(cfg, seq_len) if attended_keys is None else attended_keys
     return 6.0 * matmul_params(cfg) + attention_flops_per_token(cfg, keys)

@@ -67,11 +67,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                     num_heads: int, num_kv_heads: int, ctx: ModelContext,
                     mask: AttentionMask | None = None) -> torch.Tensor:
-    """Grouped-query self-attention: projections, RoPE, causal attention (limited to the keys
-    `mask` keeps: within documents, within a sliding window), output projection."""
+    """Grouped-query self-attention: projections, RoPE (none where `rope` is None: NoPE layers),
+    causal attention (limited to the keys `mask` keeps: within documents, a window, a chunk),
+    output projection."""
     batch, seq, _ = x.shape
     head_dim = p["wq"].shape[0] // num_heads
     q, k, v = ctx.linear_many(x, [p["wq"], p["wk"], p["wv"]])
@@ -81,8 +82,9 @@ def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Te
     q = ctx.constrain(q, ("batch", "seq", "heads", "head_dim"), "attention")
     k = ctx.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), "attention")
     v = ctx.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), "attention")
-    cos, sin = (ctx.constrain(t, ("batch", "seq", "head_dim")[-t.ndim:], "attention") for t in rope)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if rope is not None:
+        cos, sin = (ctx.constrain(t, ("batch", "seq", "head_dim")[-t.ndim:], "attention") for t in rope)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out = ctx.attention(q, k, v) if mask is None else ctx.attention(q, k, v, mask)
     return ctx.linear(out.reshape(batch, seq, num_heads * head_dim), p["wo"])
 

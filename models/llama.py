@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import torch
 
-from models import spec
+from models import masking, spec
 from models.config import LlamaConfig
 from models.context import ModelContext
 from models.masking import AttentionMask
@@ -28,8 +28,17 @@ class Aux:
 
     rope: tuple[torch.Tensor, torch.Tensor]
     labels: torch.Tensor | None = None
-    # Attention within documents and a sliding window (ModelContext.attention_mask); None: plain causal.
-    mask: AttentionMask | None = None
+    # Attention within documents, windows, chunks: one mask per mask kind of the layers
+    # (masking.layer_masks); a kind that is missing or None attends plain causal.
+    masks: dict[str, AttentionMask | None] = attrs.field(factory=dict)
+
+    def mask(self, layer_kind: str) -> AttentionMask | None:
+        """The mask of layers of `layer_kind` (models.config.LAYER_KINDS)."""
+        return self.masks.get(masking.mask_kind(layer_kind))
+
+    def rope_of(self, layer_kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The RoPE tables of layers of `layer_kind`: none for NoPE layers."""
+        return None if layer_kind == "nope" else self.rope
 
 
 def make_aux(cfg: LlamaConfig, positions: torch.Tensor, labels: torch.Tensor | None = None) -> Aux:
@@ -43,9 +52,10 @@ def embed_forward(p: dict, tokens: torch.Tensor, aux: Aux, ctx: ModelContext) ->
     return ctx.constrain(ctx.embedding(tokens, p["weight"]), RESIDUAL, "residual")
 
 
-def block_forward(p: dict, x: torch.Tensor, aux: Aux, ctx: ModelContext, *, cfg: LlamaConfig) -> torch.Tensor:
+def block_forward(p: dict, x: torch.Tensor, aux: Aux, ctx: ModelContext, *, cfg: LlamaConfig,
+                  kind: str = "full") -> torch.Tensor:
     h = ctx.constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), RESIDUAL, "block_input")
-    attn = attention_block(p["attn"], h, aux.rope, cfg.num_heads, cfg.num_kv_heads, ctx, aux.mask)
+    attn = attention_block(p["attn"], h, aux.rope_of(kind), cfg.num_heads, cfg.num_kv_heads, ctx, aux.mask(kind))
     x = x + ctx.constrain(attn, RESIDUAL, "residual")
     h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
     return x + ctx.constrain(swiglu_block(p["mlp"], h, ctx), RESIDUAL, "residual")
@@ -104,8 +114,8 @@ def layers(cfg: LlamaConfig) -> list[spec.Layer]:
         "mlp": swiglu_params(cfg.ffn_dim, cfg.dim, std, out_std),
     }
     embed, head = embed_and_head(cfg)
-    blocks = [spec.Layer(f"blocks.{i}", block_params, functools.partial(block_forward, cfg=cfg))
-              for i in range(cfg.num_layers)]
+    blocks = [spec.Layer(f"blocks.{i}", block_params, functools.partial(block_forward, cfg=cfg, kind=kind))
+              for i, kind in enumerate(cfg.layer_kinds)]
     return [embed, *blocks, head]
 
 
@@ -121,18 +131,16 @@ def run_layers(model_layers: list[spec.Layer], params: dict[str, Any], tokens: t
     return x
 
 
-def window_mask(cfg, ctx: ModelContext, batch: int, seq: int) -> AttentionMask | None:
-    """The mask of the model's sliding window (None without one) over rows of one document."""
-    if cfg.sliding_window is None:
-        return None
-    return ctx.attention_mask(torch.zeros(batch, seq, dtype=torch.int64), cfg.sliding_window)
+def one_document_masks(cfg, ctx: ModelContext, batch: int, seq: int) -> dict[str, AttentionMask | None]:
+    """The masks of the model's layer kinds (windows, chunks) over rows of one document."""
+    return masking.layer_masks(cfg, ctx, torch.zeros(batch, seq, dtype=torch.int64))
 
 
 def forward(params: dict[str, Any], tokens: torch.Tensor, labels: torch.Tensor, cfg: LlamaConfig,
             ctx: ModelContext) -> torch.Tensor:
     """The whole model on a parameter tree keyed like `layers(cfg)`: summed loss over the labels."""
     aux = make_aux(cfg, torch.arange(tokens.shape[1], device=tokens.device), labels)
-    aux = attrs.evolve(aux, mask=window_mask(cfg, ctx, *tokens.shape))
+    aux = attrs.evolve(aux, masks=one_document_masks(cfg, ctx, *tokens.shape))
     return run_layers(layers(cfg), params, tokens, aux, ctx)
 
 

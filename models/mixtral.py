@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from models import llama, moe, spec
-from models.config import MoEConfig
+from models.config import MoEConfig, layer_kind
 from models.context import ModelContext
 from models.layers import attention_block, rms_norm, swiglu_block
 from models.llama import RESIDUAL
@@ -38,7 +38,8 @@ def make_aux(cfg: MoEConfig, positions: torch.Tensor, labels: torch.Tensor | Non
 def block_forward(p: dict, x: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg: MoEConfig,
                   index: int) -> torch.Tensor:
     h = ctx.constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), RESIDUAL, "block_input")
-    attn = attention_block(p["attn"], h, aux.rope, cfg.num_heads, cfg.num_kv_heads, ctx, aux.mask)
+    kind = layer_kind(cfg, index)
+    attn = attention_block(p["attn"], h, aux.rope_of(kind), cfg.num_heads, cfg.num_kv_heads, ctx, aux.mask(kind))
     x = x + ctx.constrain(attn, RESIDUAL, "residual")
     h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
     return x + ctx.constrain(feed_forward(p, h, aux, ctx, cfg=cfg, index=index), RESIDUAL, "residual")
@@ -78,7 +79,7 @@ def forward(params: dict[str, Any], tokens: torch.Tensor, labels: torch.Tensor, 
             ctx: ModelContext, router_stats: moe.RouterStats | None = None) -> torch.Tensor:
     """The whole model on a parameter tree keyed like `layers(cfg)`: summed loss over the labels."""
     aux = make_aux(cfg, torch.arange(tokens.shape[1], device=tokens.device), labels, router_stats)
-    aux = attrs.evolve(aux, mask=llama.window_mask(cfg, ctx, *tokens.shape))
+    aux = attrs.evolve(aux, masks=llama.one_document_masks(cfg, ctx, *tokens.shape))
     return llama.run_layers(layers(cfg), params, tokens, aux, ctx)
 
 

@@ -213,7 +213,7 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         placements = [Partial() if name in vocab_dims else Replicate() for name in mesh.mesh_dim_names]
         return DTensor.from_local(out, mesh, placements, run_check=False)
 
-    def attention_mask(self, document_ids, window=None):
+    def attention_mask(self, document_ids, window=None, chunk=None):
         cp_rank = dist.get_rank(self.cp_group) if self.cp_group is not None else 0
         sites = mask_sites(self.cp_method, document_ids.shape[1], self.plan.mesh_spec.cp, cp_rank)
 
@@ -221,7 +221,7 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
             return masked_attention.choose_kernel(self.attention_kernel, self.device, self.compute_dtype,
                                                   whole_row, window)
 
-        return masked_attention.build_mask(document_ids, window, sites, kernel_of, self.device)
+        return masked_attention.build_mask(document_ids, window, sites, kernel_of, self.device, chunk=chunk)
 
     def attention(self, q, k, v, mask=None, *, scale=None):
         if not isinstance(q, DTensor):

@@ -10,8 +10,9 @@ kernel of a site, `choose_kernel`:
 - CPU: SDPA with a dense boolean mask, the reference meaning that the CPU tests check;
 - CUDA, a site over the whole row in order (one GPU, tensor parallel, a2a context parallel), bf16 or
   fp16: variable-length flash attention with one sequence per document (cu_seqlens; the window as
-  flash's left window): flash-attn's `flash_attn_varlen_func` where that package is installed,
-  else torch's `varlen_attn`. Tiles outside the documents are never launched;
+  flash's left window; chunks as sequences of their own): flash-attn's `flash_attn_varlen_func`
+  where that package is installed, else torch's `varlen_attn`. Tiles outside the documents are
+  never launched;
 - CUDA otherwise (all-gather and ring context parallelism, fp32): compiled FlexAttention with a
   block mask. Its block lists come from bounds per 128-token block (a block of keys is skipped,
   taken whole, or masked element-wise), so no [seq, seq] tensor is ever built.
@@ -97,11 +98,11 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def build_mask(document_ids: torch.Tensor, window: int | None, sites: dict, kernel_of, device: torch.device,
-               ) -> masking.AttentionMask | None:
+               chunk: int | None = None) -> masking.AttentionMask | None:
     """A micro-batch's mask (None where it is plain causal) with a form for each of `sites`
     (name -> (query positions, key positions), global, on the host); `kernel_of(whole_row)` names
     each site's kernel, whole_row saying whether the site is the whole row in order."""
-    first = masking.first_keys(document_ids, window)
+    first = masking.first_keys(document_ids, window, chunk)
     if masking.is_plain_causal(first):
         return None
     first_on_device = to_device(first, device)
@@ -109,13 +110,13 @@ def build_mask(document_ids: torch.Tensor, window: int | None, sites: dict, kern
     for name, (q_positions, k_positions) in sites.items():
         whole_row = len(q_positions) == len(k_positions) == first.shape[1]
         forms[name] = build_form(kernel_of(whole_row), document_ids, first, q_positions, k_positions, window,
-                                 device, first_on_device)
+                                 device, first_on_device, chunk=chunk)
     return masking.AttentionMask(first_on_device, window, forms)
 
 
 def build_form(kernel: str, document_ids: torch.Tensor, first_key: torch.Tensor, q_positions: torch.Tensor,
                k_positions: torch.Tensor, window: int | None, device: torch.device,
-               first_key_on_device: torch.Tensor | None = None) -> MaskForm:
+               first_key_on_device: torch.Tensor | None = None, chunk: int | None = None) -> MaskForm:
     """The form of one site, from host tensors: queries at global `q_positions` against keys at
     `k_positions` of rows whose mask is `first_key` [batch, seq] (masking.first_keys)."""
     some, full = _block_classes(first_key, q_positions, k_positions, FLEX_BLOCK)
@@ -124,7 +125,7 @@ def build_form(kernel: str, document_ids: torch.Tensor, first_key: torch.Tensor,
         dense = masking.allowed(first_key, q_positions, k_positions).unsqueeze(1)
         return MaskForm(kernel, empty, dense=to_device(dense, device))
     if kernel == "varlen":
-        cu_seqlens, max_seqlen = _document_offsets(document_ids)
+        cu_seqlens, max_seqlen = _segment_offsets(masking.segment_starts(document_ids, chunk))
         return MaskForm(kernel, empty, cu_seqlens=to_device(cu_seqlens, device), max_seqlen=max_seqlen,
                         window=window)
     if first_key_on_device is None:
@@ -134,11 +135,10 @@ def build_form(kernel: str, document_ids: torch.Tensor, first_key: torch.Tensor,
     return MaskForm(kernel, empty, block_mask=block_mask)
 
 
-def _document_offsets(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Start offsets of every document of the flattened batch, and the longest document."""
-    batch, seq = document_ids.shape
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+def _segment_offsets(starts: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Start offsets of every segment (document, or chunk of one: `masking.segment_starts`) of the
+    flattened batch, and the longest segment."""
+    batch, seq = starts.shape
     offsets = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([batch * seq])])
     return offsets.to(torch.int32), int(offsets.diff().max())
 

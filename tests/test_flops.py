@@ -102,3 +102,16 @@ def test_attention_flops_count_the_heads_width_not_dim():
     wide = get_model_config("tiny", "head_dim=32")  # 4 heads x 32: queries twice the 64 of dim
     assert flops.attention_flops_per_token(cfg, 100) == 12 * cfg.num_layers * cfg.dim * 100
     assert flops.attention_flops_per_token(wide, 100) == 2 * flops.attention_flops_per_token(cfg, 100)
+
+
+def test_windowed_and_chunked_layers_count_the_keys_they_attend():
+    """By layer kind: a full layer the whole sequence (the convention), a windowed one its window, a
+    chunked one its chunk, each at most the sequence; NoPE layers attend as full ones."""
+    cfg = get_model_config("llama-1b")
+    full = flops_per_token(cfg, SEQ) - 6 * matmul_params(cfg)
+    per_layer_and_key = full / (L * SEQ)
+    mixed = attrs.evolve(cfg, layer_pattern="window-full-chunk-nope", sliding_window=128, attention_chunk=1024)
+    attention = flops_per_token(mixed, SEQ) - 6 * matmul_params(mixed)
+    assert attention == per_layer_and_key * L / 4 * (128 + SEQ + 1024 + SEQ)
+    long_windows = attrs.evolve(mixed, sliding_window=10 * SEQ, attention_chunk=10 * SEQ)
+    assert flops_per_token(long_windows, SEQ) == flops_per_token(cfg, SEQ)

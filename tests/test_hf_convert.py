@@ -82,7 +82,7 @@ def _dtrain_logits(params, tokens, cfg):
     """The layers' forward functions up to the head, then the head's norm and output matmul."""
     tree, ctx = spec.unflatten(params), LocalContext()
     aux = attrs.evolve(families.make_aux(cfg, torch.arange(tokens.shape[1])),
-                       mask=llama.window_mask(cfg, ctx, *tokens.shape))
+                       masks=llama.one_document_masks(cfg, ctx, *tokens.shape))
     x = tokens
     for layer in families.layers(cfg)[:-1]:
         x = layer.forward(llama._lookup(tree, layer.name), x, aux, ctx)

@@ -35,6 +35,19 @@ def test_first_keys_follow_documents_and_window():
     assert not masking.is_plain_causal(masking.first_keys(torch.zeros(2, 5, dtype=torch.int64), window=4))
 
 
+def test_chunks_are_of_absolute_positions_within_documents():
+    ids = document_ids_of([[3, 1, 4]])
+    assert masking.first_keys(ids, chunk=3).tolist() == [[0, 0, 0, 3, 4, 4, 6, 6]]
+    assert masking.first_keys(ids, window=2, chunk=3).tolist() == [[0, 0, 1, 3, 4, 4, 6, 6]]
+    assert masking.is_plain_causal(masking.first_keys(torch.zeros(2, 5, dtype=torch.int64), chunk=5))
+    # Segments between document and chunk starts are exactly what the chunked mask keeps.
+    first = masking.first_keys(ids, chunk=3)
+    segment = masking.segment_starts(ids, chunk=3).cumsum(1)
+    positions = torch.arange(8)
+    same_segment = (segment[:, :, None] == segment[:, None, :]) & (positions[None, :, None] >= positions)
+    assert torch.equal(masking.allowed(first, positions, positions), same_segment)
+
+
 def test_attended_pairs_count_the_kept_pairs():
     ids = document_ids_of([[5, 13, 1, 13], [20, 12]])
     for window in (None, 1, 6):
@@ -57,8 +70,10 @@ SITES = {  # name -> (query positions, key positions) of seq 64: a whole row, a 
     "cp2_rank1_gathered": (load_balance_indices(64, 2, 1), torch.arange(64)),
     "cp4_rank1_late_block": (load_balance_indices(64, 4, 1)[8:], load_balance_indices(64, 4, 3)),
 }
-MASKS = {"documents": ([[5, 13, 1, 13, 20, 12], [64]], None), "window": ([[64], [64]], 7),
-         "both": ([[30, 2, 32], [10, 54]], 9)}
+MASKS = {  # name -> (document lengths per row, window, chunk)
+    "documents": ([[5, 13, 1, 13, 20, 12], [64]], None, None), "window": ([[64], [64]], 7, None),
+    "both": ([[30, 2, 32], [10, 54]], 9, None), "chunks": ([[30, 2, 32], [64]], None, 12),
+}
 
 
 @pytest.mark.parametrize("site", SITES)
@@ -66,8 +81,8 @@ MASKS = {"documents": ([[5, 13, 1, 13, 20, 12], [64]], None), "window": ([[64], 
 def test_block_classes_bound_the_dense_mask(site, mask):
     """With blocks of 4 tokens: a block any key of which a query sees is never skipped, and a block
     taken whole is allowed everywhere; for runs of consecutive positions both are exact."""
-    lengths, window = MASKS[mask]
-    first = masking.first_keys(document_ids_of(lengths), window)
+    lengths, window, chunk = MASKS[mask]
+    first = masking.first_keys(document_ids_of(lengths), window, chunk)
     q_positions, k_positions = SITES[site]
     some, full = masked._block_classes(first, q_positions, k_positions, block=4)
     dense = masking.allowed(first, q_positions, k_positions).unflatten(1, (-1, 4)).unflatten(3, (-1, 4))
@@ -82,13 +97,13 @@ def test_block_classes_bound_the_dense_mask(site, mask):
 def test_flex_block_mask_matches_dense_forward_on_cpu(site, mask):
     """The FlexAttention form (block lists of 128-token blocks and the element-wise mask_mod) gives
     the dense mask's output; sequence 512 so that blocks are skipped, taken whole and masked."""
-    lengths, window = MASKS[mask]
+    lengths, window, chunk = MASKS[mask]
     ids = document_ids_of(lengths).repeat_interleave(8, dim=1)  # documents 8 times longer
     q_positions, k_positions = (p.reshape(-1, 1).mul(8).add(torch.arange(8)).flatten() for p in SITES[site])
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, len(q_positions), 4, 16, generator=generator)
     k, v = (torch.randn(2, len(k_positions), 2, 16, generator=generator) for _ in range(2))
-    first = masking.first_keys(ids, window)
+    first = masking.first_keys(ids, window, chunk and chunk * 8)
     flex_form = masked.build_form("flex", ids, first, q_positions, k_positions, window, CPU)
     dense_form = masked.build_form("dense", ids, first, q_positions, k_positions, window, CPU)
     assert flex_form.block_mask.kv_num_blocks.shape == (2, 1, len(q_positions) // 128)
@@ -143,9 +158,13 @@ def test_kernel_rule():
         masked.choose_kernel("xformers", cuda, torch.bfloat16, True, None)
 
 
-def test_document_offsets_span_the_flattened_batch():
-    offsets, longest = masked._document_offsets(document_ids_of([[3, 1, 4], [8]]))
+def test_segment_offsets_span_the_flattened_batch():
+    ids = document_ids_of([[3, 1, 4], [8]])
+    offsets, longest = masked._segment_offsets(masking.segment_starts(ids))
     assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 3, 4, 8, 16] and longest == 8
+    # Chunks of 3 absolute positions cut the documents again: each piece is causal on its own.
+    offsets, longest = masked._segment_offsets(masking.segment_starts(ids, chunk=3))
+    assert offsets.tolist() == [0, 3, 4, 6, 8, 11, 14, 16] and longest == 3
 
 
 @pytest.mark.skipif(masked._torch_varlen()[0] is None or masked.flash_attn_varlen() is not None,
@@ -181,10 +200,10 @@ def test_gpu_kernels_match_dense_attention(kernel, mask, heads):
         pytest.skip("no variable-length attention with a window in this torch")
     num_heads, qk_dim, kv_heads, v_dim, scale = HEADS[heads]
     cuda = torch.device("cuda")
-    lengths, window = MASKS[mask]
+    lengths, window, chunk = MASKS[mask]
     ids = document_ids_of(lengths).repeat_interleave(32, dim=1)  # seq 2048
-    window = window and window * 32
-    first = masking.first_keys(ids, window)
+    window, chunk = window and window * 32, chunk and chunk * 32
+    first = masking.first_keys(ids, window, chunk)
     positions = torch.arange(ids.shape[1])
     generator = torch.Generator().manual_seed(2)
     q = torch.randn(2, 2048, num_heads, qk_dim, generator=generator).to(cuda)
@@ -193,7 +212,8 @@ def test_gpu_kernels_match_dense_attention(kernel, mask, heads):
     v = torch.randn(2, 2048, kv_heads, v_dim, generator=generator).to(cuda)
     inputs = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
     reference = [t.detach().float().requires_grad_() for t in inputs]
-    out = masked.attend(*inputs, masked.build_form(kernel, ids, first, positions, positions, window, cuda), scale)
+    out = masked.attend(*inputs, masked.build_form(kernel, ids, first, positions, positions, window, cuda,
+                                                   chunk=chunk), scale)
     expected = masked.attend(*reference, masked.build_form("dense", ids, first, positions, positions, window, cuda),
                              scale)
     out.backward(grad.to(torch.bfloat16))

@@ -38,14 +38,17 @@ CASES = {
 }
 
 
-# Masked cases: documents of these lengths in each row (a row of the batch each), and a window.
+# Masked cases: documents of these lengths in each row (a row of the batch each), a window, chunks.
 MASKED_CASES = {
-    "documents": (Case(2, 32, 4, 2, 8), [[5, 13, 1, 13], [32]], None),
-    "documents_window": (Case(2, 32, 4, 2, 8), [[3, 20, 9], [12, 12, 8]], 6),
-    "window": (Case(1, 32, 4, 4, 8), [[32]], 4),
-    "short_documents": (Case(1, 32, 4, 1, 8), [[2, 3, 1, 4, 2, 5, 3, 6, 6]], None),
+    "documents": (Case(2, 32, 4, 2, 8), [[5, 13, 1, 13], [32]], None, None),
+    "documents_window": (Case(2, 32, 4, 2, 8), [[3, 20, 9], [12, 12, 8]], 6, None),
+    "window": (Case(1, 32, 4, 4, 8), [[32]], 4, None),
+    "short_documents": (Case(1, 32, 4, 1, 8), [[2, 3, 1, 4, 2, 5, 3, 6, 6]], None, None),
     # MLA's head dims and scale within documents and a window.
-    "mla_documents_window": (Case(1, 32, 4, 4, 24, v_head_dim=16, scale=0.27), [[3, 20, 9]], 6),
+    "mla_documents_window": (Case(1, 32, 4, 4, 24, v_head_dim=16, scale=0.27), [[3, 20, 9]], 6, None),
+    # Chunks of absolute positions (Llama 4), alone and within documents: most ring blocks are skipped.
+    "chunks": (Case(1, 32, 4, 2, 8), [[32]], None, 8),
+    "documents_chunks": (Case(2, 32, 4, 2, 8), [[3, 20, 9], [12, 12, 8]], None, 10),
 }
 
 
@@ -68,7 +71,8 @@ def _random_inputs(case: Case, seed, device="cpu", dtype=torch.float32):
 
 def _check_case(case: Case, seed, method, group, cp, rank, device="cpu", dtype=torch.float32,
                 masked: tuple | None = None) -> dict[str, float]:
-    """`masked`: (document ids [batch, seq], window) for attention within documents and the window."""
+    """`masked`: (document ids [batch, seq], window, chunk) for attention within documents, the
+    window and the chunks."""
     q, k, v, grad = _random_inputs(case, seed, device, dtype)
     # The reference is fp32 math attention of the same (possibly bf16-rounded) inputs, on one device
     # with the dense mask (LocalContext's meaning).
@@ -79,10 +83,11 @@ def _check_case(case: Case, seed, method, group, cp, rank, device="cpu", dtype=t
         reference_mask = type(reference_mask)(reference_mask.first_key.to(device), reference_mask.window,
                                               {n: f.to(device) for n, f in reference_mask.forms.items()})
         sites = mask_sites(method, case.seq_len, cp, rank)
+        document_ids, window, chunk = masked
         global_mask = masked_attention.build_mask(
-            *masked, sites, lambda whole_row: masked_attention.choose_kernel("auto", torch.device(device), dtype,
-                                                                             whole_row, masked[1]),
-            torch.device(device))
+            document_ids, window, sites,
+            lambda whole_row: masked_attention.choose_kernel("auto", torch.device(device), dtype, whole_row, window),
+            torch.device(device), chunk=chunk)
     reference = causal_attention(*full, reference_mask, case.scale)
     reference.backward(grad.float())
     expected = {"out": reference.detach(), "dq": full[0].grad, "dk": full[1].grad, "dv": full[2].grad}
@@ -122,12 +127,12 @@ def main(rank: int, cp: int, out_dir: str, device: str = "cpu", dtype_name: str 
             if method == "a2a" and (case.heads % cp or case.kv_heads % cp):
                 continue
             results[f"{name}/{method}"] = _check_case(case, seed + 1, method, group, cp, rank, device, dtype)
-    for seed, (name, (case, lengths, window)) in enumerate(MASKED_CASES.items()):
+    for seed, (name, (case, lengths, window, chunk)) in enumerate(MASKED_CASES.items()):
         for method in CP_METHODS:
             if method == "a2a" and (case.heads % cp or case.kv_heads % cp):
                 continue
             results[f"masked_{name}/{method}"] = _check_case(case, seed + 11, method, group, cp, rank, device,
-                                                             dtype, (document_ids_of(lengths), window))
+                                                             dtype, (document_ids_of(lengths), window, chunk))
     results["error/a2a_kv_heads"] = _user_error(1, 4 * cp, 2 * cp, 1, 4, "a2a", group=group)
     results["error/a2a_heads"] = _user_error(1, 4 * cp, 2 * cp + 1, 1, 4, "a2a", group=group)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
