@@ -143,7 +143,7 @@ class TrainArgs:
                                       "when pp=1), as Megatron's --recompute-num-layers with its block method; the "
                                       "other blocks follow --recompute")
     run_dir: str = _field("runs/default", "directory for the resolved config, TensorBoard files and log")
-    log_every: int = _field(1, "steps between console lines")
+    log_every: int = _field(1, "steps between console lines (0: the last step's only)")
     checkpoint_every: int = _field(0, "steps between checkpoints in RUN_DIR/checkpoints (0: none); "
                                       "a run with checkpoints also saves at its end")
     keep_last: int = _field(0, "keep only the newest K checkpoints (0: keep all)")

@@ -320,7 +320,8 @@ class Trainer:
                 if evaluate and not unread:
                     scalars["val/loss"] = self.evaluate()
                 history.append(scalars)
-                console = launched.step % self.config.train.log_every == 0 or launched.step == total
+                every = self.config.train.log_every
+                console = (every and launched.step % every == 0) or launched.step == total
                 self.metrics.log(launched.step, total, scalars, console=console)
 
         def before_save() -> None:

@@ -18,6 +18,7 @@ BAD_INPUTS = [
     (["--tokenizer", "/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json"),
     (["--resume", "/nonexistent/step_000100"], "--resume /nonexistent/step_000100: no such checkpoint"),
     (["--checkpoint-every", "-5"], "--checkpoint-every -5 must be >= 0"),
+    (["--log-every", "-1"], "--log-every -1 must be >= 0"),
     (["--recompute-layers", "5"], "--recompute-layers 5 is more than the 4 blocks of the largest pipeline stage"),
     (["--recompute-layers", "-1"], "--recompute-layers -1 must be >= 0"),
     (["--recompute", "full", "--recompute-layers", "1"], "--recompute full already recomputes every block"),
@@ -96,3 +97,9 @@ def test_run_dir_holds_config_log_and_tensorboard(tmp_path):
     log = (tmp_path / "train.log").read_text()
     assert "step 2/2 | loss" in log and "mesh single" in log
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_log_every_zero_prints_the_last_step_only(tmp_path, caplog):
+    assert main([*TINY_ARGS, "--steps", "3", "--run-dir", str(tmp_path), "--log-every", "0"]) == 0
+    steps = [line for line in caplog.text.splitlines() if " | loss " in line]
+    assert len(steps) == 1 and "step 3/3 | loss" in steps[0], caplog.text[-2000:]

@@ -51,6 +51,7 @@ def _check_sizes(config: Config) -> None:
         if value < 1:
             raise UserError(f"{name} {value} must be >= 1")
     for name, value in (("--checkpoint-every", t.checkpoint_every), ("--keep-last", t.keep_last),
+                        ("--log-every", t.log_every),
                         ("--eval-every", t.eval_every), ("--straggler-every", t.straggler_every)):
         if value < 0:
             raise UserError(f"{name} {value} must be >= 0")
