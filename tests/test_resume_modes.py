@@ -100,3 +100,12 @@ def test_torchrun_restarts_after_every_checkpoint_proved_corrupt_never_train_fro
     assert result.returncode != 0, output[-3000:]
     assert output.count("every one is corrupt") == 2, output[-5000:]  # one per attempt
     assert "step 1/" not in output and "starting from step 0" not in output, output[-5000:]
+
+
+def test_steps_below_the_checkpoints_step_is_refused_and_equal_is_a_finished_run(reference, tmp_path, run):
+    checkpoint = reference[0] / ckpt.CHECKPOINTS / "step_000006"
+    code, out, err = run(tmp_path / "run", ["--resume", str(checkpoint), "--steps", "4"])
+    assert code == 2 and "\n" not in err, err
+    assert f"--steps 4 is below step 6 of checkpoint {checkpoint}" in err and "--steps 7 or more" in err, err
+    code, out, err = run(tmp_path / "run", ["--resume", str(checkpoint), "--steps", "6"])
+    assert code == 0 and "no step is left to train" in out, out + err

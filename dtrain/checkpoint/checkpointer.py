@@ -178,6 +178,10 @@ class Checkpointer:
             meta, has_optim = ckpt.check_checkpoint(path, self.model_cfg, shapes, self.rank, self.world_size)
         except UserError as problem:
             error = problem
+        if error is None and int(meta["step"]) > self.config.train.steps:
+            error = UserError(f"--steps {self.config.train.steps} is below step {meta['step']} of checkpoint {path}: "
+                              f"nothing would train; pass --steps {int(meta['step']) + 1} or more to continue it, or "
+                              f"resume from an earlier checkpoint")
         resume.agree(error)
         if "files" not in meta:
             logger.info("checkpoint %s holds no checksums (written before format 2): its files are not verified",
@@ -197,7 +201,8 @@ class Checkpointer:
         self.last_saved = step
         saved_mesh, mesh = meta.get("mesh"), str(self.mesh_spec)
         resharded = f" (resharded from {saved_mesh} to {mesh})" if saved_mesh and saved_mesh != mesh else ""
-        logger.info("resumed from %s at step %d%s in %s", path, step, resharded, ckpt.elapsed(start))
+        logger.info("resumed from %s at step %d%s in %s%s", path, step, resharded, ckpt.elapsed(start),
+                    "; no step is left to train (--steps)" if step == self.config.train.steps else "")
         changes = resume.changed_settings(meta, self.config)
         if changes:
             logger.info("settings that differ from the checkpoint's run apply from step %d on: %s", step + 1,
