@@ -80,8 +80,18 @@ def diagnose(beats: dict[int, dict | None], now: float, stale_after: float) -> t
     if missing:
         parts.append(f"{format_ranks(missing)} never reported a heartbeat")
         culprits.append(f"missing {format_ranks(missing)}")
+    # Every rank joins a collective at the end of each step: ranks alive in step s passed the end
+    # of step s - 1, and so did a rank that froze since. Its own last beat, published up to a poll
+    # before it froze, can be steps older than that where steps are fast.
+    passed = min((beat["step"] for beat in alive.values()), default=0) - 1
     for (step, phase), ranks in _by_place(stopped).items():
         silent = max(now - stopped[r]["beat"] for r in ranks)
+        if 1 <= passed and step <= passed:
+            parts.append(f"{format_ranks(ranks)} stopped responding in step {passed + 1} or at the end of step "
+                         f"{passed} (its last heartbeat, {silent:.0f} s old, is from step {step} ({phase})): the "
+                         f"process is frozen or gone")
+            culprits.append(f"stopped {format_ranks(ranks)}")
+            continue
         parts.append(f"{format_ranks(ranks)} stopped responding in step {step} ({phase}) or just after: no "
                      f"heartbeat for {silent:.0f} s, the process is frozen or gone")
         culprits.append(f"stopped {format_ranks(ranks)} at {phase}")
