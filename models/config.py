@@ -187,9 +187,16 @@ class MoEConfig:
     # imbalance rather than the model (Megatron's --moe-router-force-load-balancing and
     # TorchTitan's _debug_force_load_balance do the same). The weights are still the router's scores.
     force_load_balance: bool = False
-    # DeepSeekMoE: the first layers keep a dense SwiGLU of width dense_ffn_dim.
+    # Which blocks are MoE, as one rule (`is_moe_layer`): block i is MoE iff i >= first_dense_layers,
+    # (i + 1) % moe_layer_step == 0 and i is not in dense_layers; the others keep a dense SwiGLU of
+    # width dense_ffn_dim. DeepSeekMoE/V3: first_dense_layers = first_k_dense_replace. Qwen3-MoE:
+    # moe_layer_step = decoder_sparse_step, dense_layers = mlp_only_layers. Llama 4:
+    # moe_layer_step = interleave_moe_layer_step (MoE on 1, 3, ... for 2). Any other pattern:
+    # dense_layers lists the exceptions (`--model-overrides dense_layers=[0,5]`).
     first_dense_layers: int = 0
     dense_ffn_dim: int = 0
+    moe_layer_step: int = 1
+    dense_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     rope_theta: float = 1000000.0
     rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
@@ -217,19 +224,21 @@ class MoEConfig:
         _check_groups(self)
         if self.routed_scaling_factor <= 0:
             raise UserError(f"routed_scaling_factor={self.routed_scaling_factor} must be > 0")
-        if self.first_dense_layers >= self.num_layers:
-            raise UserError(f"first_dense_layers={self.first_dense_layers} leaves no MoE layer out of "
-                            f"num_layers={self.num_layers}; make it < {self.num_layers} or use a dense model")
-        if self.first_dense_layers and self.dense_ffn_dim < 1:
-            raise UserError(f"first_dense_layers={self.first_dense_layers} needs dense_ffn_dim >= 1 "
-                            f"(got {self.dense_ffn_dim})")
+        _check_layer_rule(self)
 
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.num_heads
 
     def is_moe_layer(self, index: int) -> bool:
-        return index >= self.first_dense_layers
+        """Whether block `index` has the routed experts (the rule of first_dense_layers,
+        moe_layer_step and dense_layers), else a dense SwiGLU."""
+        return (index >= self.first_dense_layers and (index + 1) % self.moe_layer_step == 0
+                and index not in self.dense_layers)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -239,6 +248,21 @@ class MoEConfig:
     def has_selection_bias(self) -> bool:
         """Whether each MoE router carries the auxiliary-loss-free selection bias."""
         return self.bias_update_rate > 0
+
+
+def _check_layer_rule(cfg: MoEConfig) -> None:
+    rule = (f"first_dense_layers={cfg.first_dense_layers}, moe_layer_step={cfg.moe_layer_step}, "
+            f"dense_layers={list(cfg.dense_layers)}")
+    if cfg.moe_layer_step < 1:
+        raise UserError(f"moe_layer_step={cfg.moe_layer_step} must be >= 1 (every that-many-th block is MoE)")
+    outside = [i for i in cfg.dense_layers if not 0 <= i < cfg.num_layers]
+    if outside or len(set(cfg.dense_layers)) != len(cfg.dense_layers):
+        raise UserError(f"dense_layers={list(cfg.dense_layers)} must list distinct blocks of 0 .. {cfg.num_layers - 1}")
+    if not cfg.moe_layers:
+        raise UserError(f"{rule} leaves no MoE layer out of num_layers={cfg.num_layers}; make a block MoE "
+                        f"or use a dense model")
+    if len(cfg.moe_layers) < cfg.num_layers and cfg.dense_ffn_dim < 1:
+        raise UserError(f"{rule} makes dense blocks, which need dense_ffn_dim >= 1 (got {cfg.dense_ffn_dim})")
 
 
 def _check_groups(cfg: MoEConfig) -> None:

@@ -114,7 +114,26 @@ _OVERRIDE_PARSERS = {
     # Only switched off from the command line: the presets say how to scale.
     "YarnScaling | None": lambda text: {"none": None}[text.lower()],
     "int | None": lambda text: None if text.lower() == "none" else int(text),
+    # A list of blocks, bracketed: dense_layers=[0,5] (or [] for none).
+    "tuple[int, ...]": lambda text: _int_list(text),
 }
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    if not (text.startswith("[") and text.endswith("]")):
+        raise ValueError(text)
+    return tuple(int(item) for item in text[1:-1].split(",") if item.strip())
+
+
+def _split_overrides(overrides: str) -> list[str]:
+    """"a=1,b=[2,3]" -> ["a=1", "b=[2,3]"]: commas inside brackets belong to a list value."""
+    items, depth, start = [], 0, 0
+    for index, char in enumerate(overrides):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(overrides[start:index])
+            start = index + 1
+    return [item.strip() for item in [*items, overrides[start:]] if item.strip()]
 
 
 def get_model_config(name: str, overrides: str = "") -> LlamaConfig | MoEConfig | DeepSeekConfig:
@@ -127,7 +146,7 @@ def get_model_config(name: str, overrides: str = "") -> LlamaConfig | MoEConfig 
     # By the names the constructor takes (`head_dim` for the stored explicit_head_dim).
     fields = {f.alias: f for f in attrs.fields(type(config))}
     settable = [n for n, f in fields.items() if f.type in _OVERRIDE_PARSERS]
-    for item in filter(None, (part.strip() for part in overrides.split(","))):
+    for item in _split_overrides(overrides):
         key, _, text = item.partition("=")
         field = fields.get(key.strip())
         if field is None or field.type not in _OVERRIDE_PARSERS:

@@ -280,7 +280,8 @@ def _init_params(cfg: MoEConfig) -> dict:
 
 
 @pytest.mark.parametrize("changes", [{}, {"num_shared_experts": 1, "first_dense_layers": 1, "dense_ffn_dim": 96,
-                                          "bias_update_rate": 1e-3, "capacity_factor": 1.0, "z_loss_coef": 1e-3}])
+                                          "bias_update_rate": 1e-3, "capacity_factor": 1.0, "z_loss_coef": 1e-3},
+                                     {"moe_layer_step": 2, "dense_layers": (3,), "dense_ffn_dim": 96}])
 def test_tiny_moe_forward_loss_and_gradients(changes):
     cfg = attrs.evolve(get_model_config("tiny-moe"), **changes)
     params = _init_params(cfg)
@@ -298,7 +299,7 @@ def test_tiny_moe_forward_loss_and_gradients(changes):
             assert value.grad is not None and value.grad.abs().sum() > 0, path
         else:
             assert value.grad is None, path
-    assert sorted(stats.load) == list(range(cfg.first_dense_layers, cfg.num_layers))
+    assert sorted(stats.load) == list(cfg.moe_layers) and all("moe" in params["blocks"][str(i)] for i in cfg.moe_layers)
     scalars = stats.scalars()
     assert scalars["moe/imbalance_max"] >= 1.0 and math.isfinite(scalars["moe/aux_loss"])
 
@@ -355,10 +356,50 @@ def test_mixtral_flops_count_only_active_experts():
     ({"first_dense_layers": 1, "num_layers": 2}, "dense_ffn_dim"),
     ({"first_dense_layers": 1, "num_layers": 1, "dense_ffn_dim": 8}, "no MoE layer"),
     ({"num_kv_heads": 3, "num_heads": 2}, "num_kv_heads=3"),
+    ({"moe_layer_step": 0}, "moe_layer_step=0 must be >= 1"),
+    ({"moe_layer_step": 5, "num_layers": 4}, "no MoE layer"),
+    ({"dense_layers": (1, 2, 3, 0), "num_layers": 4, "dense_ffn_dim": 8}, "no MoE layer"),
+    ({"dense_layers": (4,), "num_layers": 4, "dense_ffn_dim": 8}, "distinct blocks of 0 .. 3"),
+    ({"dense_layers": (1, 1), "num_layers": 4, "dense_ffn_dim": 8}, "distinct blocks"),
+    ({"dense_layers": (1,), "num_layers": 4}, "dense_ffn_dim >= 1"),
 ])
 def test_invalid_configs_raise_user_errors(changes, words):
     with pytest.raises(UserError, match=words.replace("(", r"\(")):
         attrs.evolve(CFG, **changes)
+
+
+def test_one_layer_rule_places_the_moe_blocks_of_each_family():
+    """Block i is MoE iff i >= first_dense_layers, (i + 1) % moe_layer_step == 0 and i is not in
+    dense_layers: DeepSeek's dense prefix, Qwen3-MoE's decoder_sparse_step and mlp_only_layers,
+    Llama 4's interleave step, from the command line too."""
+    base = attrs.evolve(CFG, num_layers=8, dense_ffn_dim=32)
+    assert base.moe_layers == tuple(range(8))
+    assert attrs.evolve(base, first_dense_layers=3).moe_layers == (3, 4, 5, 6, 7)
+    assert attrs.evolve(base, moe_layer_step=2).moe_layers == (1, 3, 5, 7)  # Llama 4 Maverick's step 2
+    assert attrs.evolve(base, moe_layer_step=3, dense_layers=[5]).moe_layers == (2,)
+    assert attrs.evolve(base, dense_layers=(0, 7)).moe_layers == (1, 2, 3, 4, 5, 6)
+    cfg = get_model_config("tiny-moe", "dense_layers=[0,2],dense_ffn_dim=48,top_k=1")
+    assert (cfg.dense_layers, cfg.moe_layers, cfg.top_k) == ((0, 2), (1, 3), 1)
+    assert [("moe" in layer.params, "mlp" in layer.params) for layer in mixtral.layers(cfg)[1:-1]] == [
+        (False, True), (True, False), (False, True), (True, False)]
+    assert get_model_config("tiny-moe", "dense_layers=[]").dense_layers == ()
+    with pytest.raises(UserError, match=r"'0' is not a valid tuple\[int, ...\]"):
+        get_model_config("tiny-moe", "dense_layers=0,2")
+
+
+def test_checkpoints_record_the_layer_rule_and_head_dim_as_json_and_older_ones_read_as_the_defaults():
+    import json
+
+    from dtrain.checkpoint.storage import model_shape, shape_defaults, shape_difference
+
+    cfg = get_model_config("tiny-moe", "dense_layers=[0],dense_ffn_dim=48,moe_layer_step=2,head_dim=32")
+    saved = json.loads(json.dumps(model_shape(cfg)))
+    assert (saved["dense_layers"], saved["head_dim"]) == ([0], 32)
+    assert shape_difference(saved, model_shape(cfg), shape_defaults(cfg)) == []
+    older = {k: v for k, v in model_shape(CFG).items() if k not in ("dense_layers", "moe_layer_step", "head_dim")}
+    assert shape_difference(older, model_shape(CFG), shape_defaults(CFG)) == []
+    assert shape_difference(older, model_shape(attrs.evolve(CFG, dense_layers=[0], num_layers=2, dense_ffn_dim=8)),
+                            shape_defaults(CFG)) == ["num_layers", "dense_ffn_dim", "dense_layers"]
 
 
 def test_overrides_reach_moe_fields():

@@ -133,9 +133,17 @@ def resolve_resume(value: str, run_dir: Path) -> Path | None:
 
 
 def model_shape(cfg: LlamaConfig) -> dict[str, Any]:
-    """The config's fields by the names its constructor takes (`head_dim`, stored as explicit_head_dim)."""
-    values = attrs.asdict(cfg)
+    """The config's fields by the names its constructor takes (`head_dim`, stored as explicit_head_dim),
+    lists for tuples, as meta.json holds them."""
+    values = attrs.asdict(cfg, value_serializer=lambda _, __, value: list(value) if isinstance(value, tuple) else value)
     return {f.alias: values[f.name] for f in attrs.fields(type(cfg))}
+
+
+def shape_defaults(cfg: LlamaConfig) -> dict[str, Any]:
+    """What a checkpoint saved before a field was added counts it as: the field's default, as
+    `model_shape` writes values."""
+    return {f.alias: list(f.default) if isinstance(f.default, tuple) else f.default
+            for f in attrs.fields(type(cfg)) if f.default is not attrs.NOTHING}
 
 
 def shape_difference(saved: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
@@ -179,8 +187,7 @@ def check_checkpoint(path: Path, model_cfg: LlamaConfig, param_shapes: dict[str,
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}; resume from an "
                                 f"earlier checkpoint")
     current = model_shape(model_cfg)
-    defaults = {f.alias: f.default for f in attrs.fields(type(model_cfg)) if f.default is not attrs.NOTHING}
-    differ = shape_difference(meta.get("model", {}), current, defaults)
+    differ = shape_difference(meta.get("model", {}), current, shape_defaults(model_cfg))
     if differ:
         saved = ",".join(f"{k}={meta.get('model', {}).get(k)}" for k in differ)
         now = ",".join(f"{k}={current[k]}" for k in differ)

@@ -133,6 +133,10 @@ class DeepseekV3(HFFamily):
         if cfg.score_func != "sigmoid":
             raise UserError(f"this DeepSeek model routes by {cfg.score_func}, but transformers' DeepSeek-V3 by "
                             f"sigmoid scores; it has no Hugging Face equivalent to export to")
+        if cfg.moe_layer_step != 1 or cfg.dense_layers:
+            raise UserError(f"moe_layer_step={cfg.moe_layer_step}, dense_layers={list(cfg.dense_layers)}: transformers' "
+                            f"DeepSeek-V3 has dense blocks only before the first MoE one (first_k_dense_replace); "
+                            f"export a model whose dense blocks are its first_dense_layers")
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
         max_positions = 4096
         if cfg.rope_scaling is not None:

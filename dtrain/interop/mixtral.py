@@ -102,7 +102,8 @@ class Mixtral(HFFamily):
             (cfg.routed_scaling_factor != 1, f"routed_scaling_factor={cfg.routed_scaling_factor} (Mixtral has none)"),
             (cfg.score_func != "softmax", f"score_func={cfg.score_func!r} (Mixtral routes by softmax)"),
             (not cfg.route_norm, "route_norm=False (Mixtral renormalises its top-k weights)"),
-            (cfg.first_dense_layers, f"first_dense_layers={cfg.first_dense_layers} (every Mixtral layer is MoE)"),
+            (len(cfg.moe_layers) < cfg.num_layers,
+             f"dense blocks {sorted(set(range(cfg.num_layers)) - set(cfg.moe_layers))} (every Mixtral layer is MoE)"),
             (cfg.bias_update_rate, f"bias_update_rate={cfg.bias_update_rate} (Mixtral has no router selection bias)"),
         ) if bad]
         if problems:
