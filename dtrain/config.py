@@ -84,8 +84,8 @@ class DataArgs:
                                             "(default: one micro-batch per data-parallel rank)")
     split: str = _field("969,30,1", "indexed data (--data PREFIX or \"0.7 PREFIX_A 0.3 PREFIX_B\"): "
                                     "train,validation,test shares of each dataset's documents")
-    data_cache_dir: str | None = _field(None, "where indexed data's sample indices are cached; unset: a "
-                                              "dtrain_index_cache directory beside the data")
+    data_cache_dir: str | None = _field(None, "where indexed data's sample indices and a text file's tokens are "
+                                              "cached; unset: a dtrain_index_cache directory beside the data")
     reset_position_ids: bool = _field(False, "position ids restart at 0 at each document boundary in a sample")
     document_mask: bool = _field(False, "attention stays within each document of a sample (packed documents)")
     synthetic_document_length: int = _field(0, "--data synthetic: pack documents of random lengths with this mean "

@@ -61,6 +61,8 @@ class Trainer:
         self.dataset = TokenDataset.from_args(d, self.model_cfg.vocab_size, t.seed)
         self.val_dataset = (TokenDataset.from_args(d, self.model_cfg.vocab_size, t.seed, part="validation")
                             if t.eval_every > 0 else None)
+        if runtime.is_main:
+            logger.info("data: %s", self.dataset.describe())
         self.mesh = build_device_mesh(self.mesh_spec, runtime.device.type)
         self.expert_mesh = build_expert_mesh(self.mesh_spec, runtime.device.type)
         self.plan = build_plan(config, self.mesh_spec, self.model_cfg)

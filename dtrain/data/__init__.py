@@ -2,6 +2,7 @@
 
     dataset.py   TokenDataset: the batch of step s is a pure function of (seed, s); bundled corpus,
                  text files, synthetic tokens, indexed data
+    text.py      a text file's tokens, tokenized once (streamed) into a cached indexed dataset
     indexed.py   Megatron's indexed format (PREFIX.bin + PREFIX.idx), read and written
     blend.py     weighted blends of indexed datasets and their train/validation/test split
     packed.py    samples packed across documents, with cached shuffle indices

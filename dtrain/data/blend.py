@@ -140,6 +140,17 @@ class IndexedBlend:
                 documents[chosen] = part_documents
         return tokens, documents
 
+    def describe(self) -> str:
+        """Each dataset's documents and tokens, and those of this part (one line)."""
+        lines = []
+        for weight, source in zip(self.weights, self.sources):
+            dataset = source.dataset
+            total = int(dataset.lengths.sum(dtype=np.int64))
+            share = f"{weight:g} x " if len(self.sources) > 1 else ""
+            lines.append(f"{share}{dataset.prefix}: {len(dataset):,} documents, {total:,} tokens (the {source.part} "
+                         f"part: {source.count:,} documents, {source.tokens:,} tokens)")
+        return "; ".join(lines)
+
     def samples_before_repeat(self) -> int:
         """Blend samples served before any dataset starts its second epoch (one validation pass)."""
         first_repeat = []

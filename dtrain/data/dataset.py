@@ -1,5 +1,6 @@
-"""Training data: the bundled corpus, a local text file, synthetic tokens, or indexed data in
-Megatron's format (`--data PREFIX` or a blend `--data "0.7 PREFIX_A 0.3 PREFIX_B"`, see dtrain/data/blend.py).
+"""Training data: the bundled corpus, a local text file (tokenized once into the data cache, see
+dtrain/data/text.py), synthetic tokens, or indexed data in Megatron's format (`--data PREFIX` or a
+blend `--data "0.7 PREFIX_A 0.3 PREFIX_B"`, see dtrain/data/blend.py).
 
 A batch is a pure function of (seed, step), so a run is reproducible and sees the same
 global batches whatever its data-parallel layout.
@@ -7,18 +8,18 @@ global batches whatever its data-parallel layout.
 
 from __future__ import annotations
 
-import functools
 import operator
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
-from tokenizers import Tokenizer
 
+from dtrain.data import text
 from dtrain.data.blend import DEFAULT_SPLIT, IndexedBlend, parse_blend, parse_split
 from dtrain.data.indexed import check_files, is_indexed_prefix
-from dtrain.data.packed import PARTS
+from dtrain.data.packed import PARTS, default_cache_dir
 from models.errors import UserError
 
 BUNDLED = "bundled"      # the default --data value: dtrain/assets/corpus.txt + tokenizer.json
@@ -27,7 +28,7 @@ SYNTHETIC = "synthetic"  # random tokens, for benchmarks
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_CORPUS = ASSETS_DIR / "corpus.txt"
 BUNDLED_TOKENIZER = ASSETS_DIR / "tokenizer.json"
-END_OF_TEXT = "<|endoftext|>"
+END_OF_TEXT = text.END_OF_TEXT
 TEXT, INDEXED = "text", "indexed"
 
 
@@ -69,39 +70,6 @@ def validate_data_args(data: str, tokenizer: str | None, split: str | None = Non
             f"--tokenizer {tokenizer!r} is not an existing file: pass the path of a Hugging Face "
             f"tokenizer.json, or leave it out to use the bundled tokenizer"
         )
-
-
-def _load_tokenizer(path: str) -> Tokenizer:
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as error:  # tokenizers raises a bare Exception for malformed files
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise UserError(f"--tokenizer {path!r} is not a Hugging Face tokenizer.json ({reason}): "
-                        f"pass a file saved by tokenizers.Tokenizer.save") from None
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenize(text_path: str, tokenizer_path: str, mtimes: tuple[int, int]) -> tuple[torch.Tensor, int, int | None]:
-    """Token ids of the whole file (int32, end-of-text appended), the tokenizer's vocab size and its
-    end-of-text id (None when it has none).
-
-    Cached because every TokenDataset in a process would otherwise re-tokenize the same file;
-    `mtimes` is part of the key so an edited file is tokenized again.
-    """
-    tokenizer = _load_tokenizer(tokenizer_path)
-    try:
-        text = Path(text_path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise UserError(f"--data {text_path!r} is not UTF-8 text ({error.reason} at byte {error.start}): "
-                        f"convert it to UTF-8") from None
-    # The file is one document; a literal <|endoftext|> inside it is encoded as the special
-    # token, so a file can also hold several documents separated that way.
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
-    end_of_text = tokenizer.token_to_id(END_OF_TEXT)
-    if end_of_text is not None:
-        ids.append(end_of_text)
-    # int32 halves the memory of a large corpus; rows are widened to int64 when gathered.
-    return torch.tensor(ids, dtype=torch.int32), tokenizer.get_vocab_size(with_added_tokens=True), end_of_text
 
 
 def _check_positive(**values: int) -> None:
@@ -176,7 +144,8 @@ class TokenDataset:
 
     `part` picks the train, validation or test documents of indexed data (by `split`); synthetic data
     draws an independent stream per part; a text corpus is used whole and has only a train part.
-    `cache_dir` holds indexed data's sample indices (default: a directory beside the data).
+    `cache_dir` holds indexed data's sample indices and a text file's tokens (default: a directory
+    beside the data; none for the bundled corpus, which is tokenized in memory).
     `documents=True` makes micro_batches carry position and document ids (see MicroBatch). Synthetic
     rows hold one document each, or with `synthetic_document_length=m` documents of random lengths
     (a boundary after each token with probability 1/m: geometric lengths of mean m), drawn per row
@@ -217,13 +186,15 @@ class TokenDataset:
 
         text_path = str(BUNDLED_CORPUS) if data == BUNDLED else data
         tokenizer_path = str(BUNDLED_TOKENIZER) if tokenizer is None else tokenizer
-        mtimes = (os.stat(text_path).st_mtime_ns, os.stat(tokenizer_path).st_mtime_ns)
-        self._tokens, self.vocab_size, self._end_of_text = _tokenize(text_path, tokenizer_path, mtimes)
-
+        # The bundled corpus is small and ships with the package: no cache unless one is asked for.
+        if cache_dir is None and data != BUNDLED:
+            cache_dir = default_cache_dir(text_path)
+        self._text_path, self._text = text_path, text.load(text_path, tokenizer_path, cache_dir)
+        self._tokens, self.vocab_size, self._end_of_text = self._text.ids, self._text.vocab_size, self._text.end_of_text
         if len(self._tokens) < seq_len + 1:
             raise UserError(f"{text_path!r} has {len(self._tokens)} tokens, fewer than seq_len + 1 = "
                             f"{seq_len + 1}: use a longer text or a shorter seq_len")
-        largest_id = int(self._tokens.max())
+        largest_id = self._text.max_id
         if largest_id >= model_vocab_size:
             raise UserError(f"tokenizer vocab size {self.vocab_size} does not fit the model vocab size "
                             f"{model_vocab_size} (token id {largest_id} found): choose a model whose "
@@ -231,6 +202,15 @@ class TokenDataset:
         # Non-overlapping windows of seq_len + 1 tokens; neighbours share one boundary token so
         # that every token is a label exactly once per epoch.
         self._num_windows = (len(self._tokens) - 1) // seq_len
+
+    def describe(self) -> str:
+        """What the run trains on, in one line: the documents and tokens of the data."""
+        if self._synthetic:
+            return f"synthetic: random token ids below {self.vocab_size}"
+        if self._indexed is not None:
+            return self._indexed.describe()
+        return (f"{self._text_path}: {len(self._tokens):,} tokens, {self._text.documents:,} documents, "
+                f"{self._num_windows:,} samples of {self.seq_len + 1} tokens per epoch")
 
     @classmethod
     def from_args(cls, data_args, model_vocab_size: int, seed: int, part: str = "train") -> TokenDataset:
@@ -320,7 +300,7 @@ class TokenDataset:
             return torch.from_numpy(rows), None if documents is None else torch.from_numpy(documents)
         starts = self._window_starts(sample_ids)
         offsets = starts[:, None] + torch.arange(self.seq_len + 1, dtype=torch.int64)
-        rows = self._tokens[offsets].to(torch.int64)
+        rows = torch.from_numpy(self._tokens[offsets.numpy()].astype(np.int64))
         if not with_documents:
             return rows, None
         if self._end_of_text is None:

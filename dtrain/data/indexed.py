@@ -8,12 +8,12 @@ pointers[S] (byte offset of each sequence in `.bin`) and int64 document_indices[
 where each document starts, first 0, last S). `PREFIX.bin` is the token ids back to back.
 
 dtrain's writer adds a record of the `.bin` after the document indices: magic b"DTRAINBIN", uint8
-version 1, uint64 size of `.bin` and a 16-byte BLAKE2b digest of its sampled blocks (`bin_digest`).
-Megatron's reader takes the header's counts and reads the three arrays at their offsets, so it
-never reads that far; dtrain's reader checks the `.bin` against it, and against the arrays (its
-size must be exactly what they describe) for an index without it. Both files are written under
-temporary names and renamed into place, the `.idx` first: a run stopped at any moment leaves the
-earlier pair whole, or a new `.idx` whose record refuses the earlier `.bin`.
+version 1, uint64 size of `.bin` and a 16-byte BLAKE2b digest of its sampled blocks
+(`sampled_digest`). Megatron's reader takes the header's counts and reads the three arrays at
+their offsets, so it never reads that far; dtrain's reader checks the `.bin` against it, and
+against the arrays (its size must be exactly what they describe) for an index without it. Both
+files are written under temporary names and renamed into place, the `.idx` first: a run stopped
+at any moment leaves the earlier pair whole, or a new `.idx` whose record refuses the earlier `.bin`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ SCAN_CHUNK = 1 << 24
 TRAILER_MAGIC = b"DTRAINBIN"
 TRAILER_VERSION = 1
 TRAILER_BYTES = len(TRAILER_MAGIC) + 1 + 8 + 16
-# The `.bin` digest reads this many evenly spaced blocks of this size (all of a smaller file), so
+# A file's digest reads this many evenly spaced blocks of this size (all of a smaller file), so
 # that checking a pair costs a millisecond whatever the size.
 DIGEST_BLOCKS, DIGEST_BLOCK_BYTES = 256, 4096
 FIX = "re-run tools/preprocess_data.py (or Megatron's preprocess_data.py) to write it again"
@@ -50,7 +50,7 @@ def temporary_path(path: str | Path) -> str:
     return f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
 
 
-def bin_digest(path: str, size: int) -> bytes:
+def sampled_digest(path: str, size: int) -> bytes:
     """BLAKE2b of the size and DIGEST_BLOCKS evenly spaced blocks of the file (all of it when small)."""
     digest = hashlib.blake2b(struct.pack("<Q", size), digest_size=16)
     with open(path, "rb") as file:
@@ -164,9 +164,11 @@ class IndexedDataset:
 
     def _check_recorded_bin(self, trailer: bytes, fix: str) -> None:
         version, size = struct.unpack("<BQ", trailer[len(TRAILER_MAGIC):len(TRAILER_MAGIC) + 9])
-        if version == TRAILER_VERSION and (size != self.bin_bytes or bin_digest(self.bin_path, size) != trailer[-16:]):
-            raise UserError(f"{self.bin_path} is not the file {Path(self.idx_path).name} was written with (its contents "
-                            f"differ from those the index records): the two files do not belong together; {fix}")
+        recorded = trailer[-16:]
+        if version == TRAILER_VERSION and (size != self.bin_bytes or sampled_digest(self.bin_path, size) != recorded):
+            raise UserError(f"{self.bin_path} is not the file {Path(self.idx_path).name} was written with (its "
+                            f"contents differ from those the index records): the two files do not belong together; "
+                            f"{fix}")
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -251,7 +253,7 @@ class IndexedDatasetWriter:
             file.write(pointers.tobytes(order="C"))
             file.write(document_indices.tobytes(order="C"))
             file.write(TRAILER_MAGIC + struct.pack("<BQ", TRAILER_VERSION, bin_bytes)
-                       + bin_digest(self._tmp_bin, bin_bytes))
+                       + sampled_digest(self._tmp_bin, bin_bytes))
         # The .idx first: stopped between the two, the new .idx refuses the old .bin by its record.
         os.replace(self._tmp_idx, self.prefix + ".idx")
         os.replace(self._tmp_bin, self.prefix + ".bin")
