@@ -96,19 +96,34 @@ def parse_layout(layout: str, num_blocks: int, num_stages: int) -> list[int]:
     return counts
 
 
-def balanced_layout(num_blocks: int, num_stages: int, embed_cost: float, head_cost: float) -> list[int]:
+def balanced_layout(num_blocks: int, num_stages: int, embed_cost: float, head_cost: float,
+                    block_costs: list[float] | None = None) -> list[int]:
     """Blocks per stage so that each stage's cost is as close as possible to an equal share,
-    counting the embedding (first stage) and the head (last stage) in units of one block."""
-    total = embed_cost + num_blocks + head_cost
+    counting the embedding (first stage) and the head (last stage) in units of one block, and
+    each block by `block_costs` (in those units; None: 1 each), so that dense and MoE blocks of
+    one model weigh what they cost. A boundary lands where the running cost crosses the stage's
+    share, rounded to the nearer block edge."""
+    costs = block_costs or [1.0] * num_blocks
+    assert len(costs) == num_blocks, (len(costs), num_blocks)
+    total = embed_cost + sum(costs) + head_cost
     boundaries, previous = [], 0
     for stage in range(num_stages - 1):
-        ideal = round((stage + 1) * total / num_stages - embed_cost)
+        ideal = round(_blocks_before((stage + 1) * total / num_stages - embed_cost, costs))
         # At least one block per stage, and enough blocks left for the stages after this one.
         boundary = min(max(ideal, previous + 1), num_blocks - (num_stages - 1 - stage))
         boundaries.append(boundary)
         previous = boundary
     edges = [0, *boundaries, num_blocks]
     return [end - start for start, end in zip(edges, edges[1:])]
+
+
+def _blocks_before(cost: float, costs: list[float]) -> float:
+    """Where along the blocks (a fractional block index) their running cost reaches `cost`."""
+    for index, block in enumerate(costs):
+        if cost <= block:
+            return index + max(cost, 0.0) / block
+        cost -= block
+    return float(len(costs))
 
 
 def block_counts(layers: list[spec.Layer], num_stages: int, layout: str | None = None,
@@ -119,7 +134,8 @@ def block_counts(layers: list[spec.Layer], num_stages: int, layout: str | None =
     num_blocks = sum(layer.name.startswith("blocks.") for layer in layers)
     if layout:
         return parse_layout(layout, num_blocks, num_stages)
-    return balanced_layout(num_blocks, num_stages, *layer_costs(layers, expert_share))
+    return balanced_layout(num_blocks, num_stages, *layer_costs(layers, expert_share),
+                           block_costs=block_costs(layers, expert_share))
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
@@ -177,22 +193,32 @@ def stage_layers(layers: list[spec.Layer], counts: list[int], stage: int) -> lis
     return chosen + [attrs.evolve(layer, run=False) for layer in layers if layer.name in shared - held]
 
 
+def _matmul_params(layer: spec.Layer, expert_share: float) -> float:
+    return sum(math.prod(s.shape) * (expert_share if mixtral.is_expert_weight(s) else 1.0)
+               for _, s in spec.flatten(layer.params) if len(s.shape) >= 2)
+
+
+def block_costs(layers: list[spec.Layer], expert_share: float = 1.0) -> list[float]:
+    """Each block's cost in units of the mean block, by the matmul parameters a token runs through
+    (of routed experts' stacked weights, `expert_share`): a dense block and an MoE block, or
+    blocks of another attention, differ."""
+    params = [_matmul_params(layer, expert_share) for layer in layers if layer.name.startswith("blocks.")]
+    mean = sum(params) / len(params)
+    return [p / mean for p in params]
+
+
 def layer_costs(layers: list[spec.Layer], expert_share: float = 1.0) -> tuple[float, float]:
     """Embedding and last-stage (MTP and head) cost in blocks, by the matmul parameters a token
     runs through (the lookup costs little): of routed experts' stacked weights, `expert_share`
     (top_k / num_experts), since a step's time follows the active experts, not all of them; a
     shared output projection counts for each layer that runs it."""
-    def matmul_params(layer: spec.Layer) -> float:
-        return sum(math.prod(s.shape) * (expert_share if mixtral.is_expert_weight(s) else 1.0)
-                   for _, s in spec.flatten(layer.params) if len(s.shape) >= 2)
-
     specs = {f"{layer.name}.{path}": s for layer in layers for path, s in spec.flatten(layer.params)}
     blocks = [layer for layer in layers if layer.name.startswith("blocks.")]
     tail = layers[layers.index(blocks[-1]) + 1:]
-    block = sum(map(matmul_params, blocks)) / len(blocks)
+    block = sum(_matmul_params(layer, expert_share) for layer in blocks) / len(blocks)
     shared_outputs = sum(math.prod(specs[source].shape) for layer in tail for path, source in layer.tied.items()
                          if path == "output")
-    return 0.0, (sum(map(matmul_params, tail)) + shared_outputs) / block
+    return 0.0, (sum(_matmul_params(layer, expert_share) for layer in tail) + shared_outputs) / block
 
 
 def stage_rank(stage: int, pp: int, schedule: str) -> int:

@@ -56,6 +56,24 @@ def test_balanced_layout_counts_the_head():
         assert sum(counts) == blocks and len(counts) == stages and min(counts) >= 1
 
 
+def test_blocks_of_unequal_cost_are_split_by_their_costs():
+    from models import flops, mixtral
+    from models.presets import get_model_config
+
+    # Eight blocks, the first four twice the cost of the others: 12 units over 2 stages is 3 + 3 blocks.
+    assert pipeline.balanced_layout(8, 2, 0.0, 0.0, [4 / 3] * 4 + [2 / 3] * 4) == [3, 5]
+    assert pipeline.balanced_layout(8, 2, 0.0, 0.0, [1.0] * 8) == [4, 4]
+    # Dense blocks 4x wider than the MoE blocks' active experts (and their router): by cost, not count.
+    cfg = get_model_config("tiny-moe", "num_layers=8,dense_layers=[0,1,2,3],dense_ffn_dim=1024,top_k=1")
+    layers = mixtral.layers(cfg)
+    costs = pipeline.block_costs(layers, flops.expert_share(cfg))
+    assert costs[0] == costs[3] > 2 * costs[4] and costs[4] == costs[7] and abs(sum(costs) - 8) < 1e-9
+    counts = pipeline.block_counts(layers, 2, expert_share=flops.expert_share(cfg))
+    assert counts[0] < counts[1] and sum(counts) == 8
+    first, rest = sum(costs[:counts[0]]), sum(costs[counts[0]:]) + pipeline.layer_costs(layers, flops.expert_share(cfg))[1]
+    assert abs(first - rest) <= max(costs), (counts, first, rest)
+
+
 def test_stage_assignment():
     assert pipeline.stage_ids(1, 4, 2, "interleaved-1f1b") == [1, 5]
     assert pipeline.stage_ids(1, 4, 2, "zbv") == [1, 6]
