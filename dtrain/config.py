@@ -45,6 +45,13 @@ class ParallelArgs:
                               "of whole tokens (ep / top_k times the bytes, static shapes, no host sync; dropless "
                               "routing only); auto: allgather where ep <= top_k and routing is dropless",
                               choices=("auto", "alltoall", "allgather"))
+    dp_mode: str = _field(
+        "fsdp", "what data parallelism over dp_shard x cp shards: fsdp (parameters, gradients and optimizer "
+                "state, each unit's parameters gathered for its compute), or zero1 (Megatron's distributed "
+                "optimizer: the parameters are all-gathered once per step and stay whole through it, the gradients "
+                "are summed whole over the micro-batches and reduce-scattered once, the optimizer state and fp32 "
+                "master weights stay sharded); zero1 is --fsdp-reshard-after-forward never with --fsdp-reduce-once",
+        choices=("fsdp", "zero1"))
     fsdp_reshard_after_forward: str = _field(
         "default", "free each block's gathered parameters after its forward (always), keep them until its "
                    "backward (never: more memory, no backward all-gather), or default: always except the last "

@@ -17,6 +17,7 @@ from models import families, flops, mtp
 from models.config import LlamaConfig
 from parallel import pipeline, precision, recompute, tensor_parallel
 from parallel.context import ParallelContext
+from parallel.data_parallel import fsdp_settings
 from parallel.delayed_scaling import amax_reduction_dims
 from parallel.mesh import MeshSpec
 from parallel.modules import ModelModule
@@ -84,7 +85,7 @@ def build_model_parts(config: Config, model_cfg: LlamaConfig, plan: Plan, mesh: 
         fp8_linear=fp8_linear,
         fp8_layers=precision.fp8_blocks(model_cfg.num_layers, t.fp8_keep_ends), fp8_head=t.fp8_head,
         fp8_experts=t.fp8_experts, fuse_projections=t.fuse_projections, loss_chunk_tokens=t.loss_chunk_tokens,
-        reshard_mode=p.fsdp_reshard_after_forward, attention_kernel=t.attention_kernel, cpu_offload=p.cpu_offload,
+        reshard_mode=fsdp_settings(p.dp_mode, p.fsdp_reshard_after_forward, p.fsdp_reduce_once)[0], attention_kernel=t.attention_kernel, cpu_offload=p.cpu_offload,
     )
     if mesh_spec.pp == 1:
         model, ctx = parallelize(layers, **options)

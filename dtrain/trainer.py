@@ -31,7 +31,7 @@ from dtrain.step_stats import StepStats, ep_line
 from dtrain.rank_model import build_training_model
 from models import families, flops, moe, mtp, spec
 from parallel import precision
-from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
+from parallel.data_parallel import expert_parameters, fsdp_settings, rescale_expert_grads_, set_micro_batch_sync
 from parallel.expert_parallel import choose_dispatch
 from parallel.gradients import clip_grads_
 from parallel.mesh import build_device_mesh, build_expert_mesh
@@ -69,6 +69,8 @@ class Trainer:
         self.ep_dispatch = (choose_dispatch(config.parallel.ep_dispatch, self.mesh_spec.ep, self.model_cfg.top_k,
                                             dropless=self.model_cfg.capacity_factor is None)
                             if self.mesh_spec.ep > 1 else None)
+        p = config.parallel
+        self.reduce_once = fsdp_settings(p.dp_mode, p.fsdp_reshard_after_forward, p.fsdp_reduce_once)[1]
         self.global_tokens = d.global_batch * d.seq_len
         # Each rank's summed loss is scaled so that FSDP's average over the dp ranks yields the
         # gradient of the mean loss over the whole global batch.
@@ -160,7 +162,7 @@ class Trainer:
         with self.ctx.kernel_scope():
             for index, (batch, aux) in enumerate(zip(micro_batches, auxes)):
                 set_micro_batch_sync(self.model, last=index == len(micro_batches) - 1,
-                                     everywhere=self.config.parallel.fsdp_reduce_once)
+                                     everywhere=self.reduce_once)
                 self.beat.phase("forward")
                 micro_loss = self.model(self.inputs.tokens(batch[0]), aux)
                 if loss_factor != 1.0:

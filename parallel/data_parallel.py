@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from models.errors import UserError
 from parallel import precision
 from parallel.mesh import fsdp_shard_dim
 from parallel.modules import ModelModule
@@ -24,6 +25,25 @@ def data_parallel_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
     if plan.mesh_spec.dp_replicate > 1:
         return mesh["dp_replicate", shard]
     return mesh[shard]
+
+
+DP_MODES = ("fsdp", "zero1")
+
+
+def fsdp_settings(dp_mode: str, reshard_mode: str, reduce_once: bool) -> tuple[str, bool]:
+    """(--fsdp-reshard-after-forward, --fsdp-reduce-once) as a data-parallel mode runs them. zero1
+    (the distributed optimizer of Megatron, ZeRO stage 1) keeps every unit's parameters gathered
+    from the step's first forward to its last backward and reduces the whole gradients once: one
+    all-gather of the compute copies and one reduce-scatter of the fp32 gradients per unit and
+    step, whatever the micro-batches; each rank's AdamW steps its shard of the fp32 weights."""
+    if dp_mode not in DP_MODES:
+        raise UserError(f"unknown --dp-mode {dp_mode!r}; choose one of {', '.join(DP_MODES)}")
+    if dp_mode == "fsdp":
+        return reshard_mode, reduce_once
+    if reshard_mode == "always":
+        raise UserError("--dp-mode zero1 keeps the parameters gathered through the step; --fsdp-reshard-after-forward "
+                        "always frees them after each forward: drop one of them")
+    return "never", True
 
 
 def reduces_once_by_default(shards: int, cpu_offload: bool) -> bool:

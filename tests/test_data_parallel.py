@@ -26,6 +26,8 @@ def _assert_close(actual, expected, rtol, what):
     ("dp=2", 2, []), ("dp_replicate=2,dp_shard=2", 4, []), ("dp=2", 2, ["--fsdp-reshard-after-forward", "never"]),
     ("dp_replicate=2", 2, []),  # one shard: each unit all-reduces once per step, after both micro-batches
     ("dp=2", 2, ["--fsdp-reduce-once"]),  # two micro-batches per rank: one reduce-scatter after both
+    # ZeRO-1: parameters whole through the step, gradients reduce-scattered once, AdamW on shards.
+    ("dp=2", 2, ["--dp-mode", "zero1"]), ("dp_replicate=2,dp_shard=2", 4, ["--dp-mode", "zero1"]),
     # Shards in host memory, AdamW's fused kernel on the CPU (foreach in the reference).
     ("dp=2", 2, ["--cpu-offload"]),
 ])
@@ -61,10 +63,12 @@ def test_blocks_to_reshard(mesh, world, mode, expected):
     assert blocks_to_reshard(["0", "1", "2", "3"], plan, mode) == expected
 
 
-def _reductions_and_gathers(tmp_path, mesh: str, nproc: int, extra: list[str]) -> dict[str, tuple[int, int]]:
-    """FSDP's gradient reductions and all-gathers in two steps, by default and with --fsdp-reduce-once."""
+def _reductions_and_gathers(tmp_path, mesh: str, nproc: int, extra: list[str],
+                            variants=(("each", []), ("once", ["--fsdp-reduce-once"]))) -> dict[str, tuple[int, int]]:
+    """FSDP's gradient reductions and all-gathers in two steps, by default and with --fsdp-reduce-once
+    (or the named flags of `variants`)."""
     counts = {}
-    for name, flags in (("each", []), ("once", ["--fsdp-reduce-once"])):
+    for name, flags in variants:
         args = [*TINY_ARGS, "--steps", "2", "--mesh", mesh, "--run-dir", str(tmp_path / name), *extra, *flags]
         result = run_cli(args, nproc=nproc, module="tests.workers.count_grad_reductions")
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -84,6 +88,31 @@ def test_reduce_once_reduces_gradients_once_per_step(tmp_path):
     # With --fsdp-reduce-once each group (reduced once per step) skips one gather per step: the
     # second forward's.
     assert gather_each - gather_once == reduce_once, counts
+
+
+@pytest.mark.slow
+def test_zero1_gathers_and_reduces_each_unit_once_per_step(tmp_path):
+    """--dp-mode zero1 with two micro-batches per rank: every unit is all-gathered once per step
+    (before its first forward) and reduce-scattered once (after its last backward), where FSDP by
+    default gathers all but the last block again for each backward and reduces after each."""
+    counts = _reductions_and_gathers(tmp_path, "dp=2", 2, [],
+                                     variants=(("fsdp", []), ("zero1", ["--dp-mode", "zero1"])))
+    (reduce_fsdp, gather_fsdp), (reduce_zero1, gather_zero1) = counts["fsdp"], counts["zero1"]
+    assert reduce_zero1 == gather_zero1 > 0 and reduce_fsdp == 2 * reduce_zero1, counts
+    assert gather_fsdp > 3 * gather_zero1, counts
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dp-mode", "zero1", "--fsdp-reshard-after-forward", "always"], "drop one of them"),
+    (["--dp-mode", "zero1", "--cpu-offload"], "drop one of them"),
+])
+def test_zero1_refuses_what_contradicts_it(args, message):
+    from dtrain.config import load_config
+    from dtrain.layout.checks import validate
+    from models.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        validate(load_config([*TINY_ARGS, "--mesh", "dp=2", *args]), 2)
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ from models.config import MoEConfig
 from models.errors import UserError
 from models.llama import RESIDUAL
 from parallel import context_parallel, pipeline, precision
-from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
+from parallel.data_parallel import expert_parameters, fsdp_settings, rescale_expert_grads_, set_micro_batch_sync
 from parallel.expert_parallel import choose_dispatch
 from parallel.gradients import clip_grads_
 from parallel.mesh import FSDP_SHARD_DIM, MESH_DIMS, MeshSpec, build_device_mesh, build_expert_mesh
@@ -218,7 +218,8 @@ class _Step:
         """The trainer's loop: the first micro-batch, one in steady state, the last (those that
         exist), the steady one counted for all the middle ones."""
         model, ctx = self.built.parts[0], self.built.ctx
-        reduce_once = self.config.parallel.fsdp_reduce_once
+        p = self.config.parallel
+        reduce_once = fsdp_settings(p.dp_mode, p.fsdp_reshard_after_forward, p.fsdp_reduce_once)[1]
         kinds = [("last", 1)] if self.m == 1 else [("first", 1), ("steady", self.m - 2), ("last", 1)]
         for kind, times in kinds:
             if times == 0:

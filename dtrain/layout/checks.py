@@ -18,6 +18,7 @@ from models.errors import UserError
 from models.linear_cross_entropy import check_chunk_tokens
 from models.presets import get_model_config
 from parallel import pipeline, precision, recompute
+from parallel.data_parallel import fsdp_settings
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
 
@@ -137,6 +138,10 @@ def _check_options(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
     t, p, tp = config.train, config.parallel, mesh_spec.tp
     if p.async_tp and not (t.compile and p.sequence_parallel and tp > 1 and torch.cuda.is_available()):
         raise UserError("--async-tp needs --compile, --sequence-parallel, a mesh with tp > 1 and CUDA GPUs")
+    fsdp_settings(p.dp_mode, p.fsdp_reshard_after_forward, p.fsdp_reduce_once)
+    if p.dp_mode == "zero1" and p.cpu_offload:
+        raise UserError("--dp-mode zero1 keeps the parameters whole on the GPU through the step, --cpu-offload keeps "
+                        "them in host memory: drop one of them")
     if p.cpu_offload and t.fp8 == "tensorwise" and t.fp8_all_gather:
         raise UserError("--cpu-offload keeps the weights' shards in host memory, where the float8 all-gather's "
                         "scales cannot be computed; add --no-fp8-all-gather (the FP8 matmuls stay)")
