@@ -14,7 +14,8 @@ import torch
 from dtrain.config import load_config
 from dtrain.planner import __main__ as plan_cli
 from dtrain.planner import advice, memory
-from dtrain.planner.search import Target, search
+from dtrain.planner.candidates import Target
+from dtrain.planner.search import search
 from dtrain.layout.checks import validate
 from dtrain.run import main
 from tests.launch import REPO, TINY_ARGS

@@ -84,6 +84,18 @@ def _check_optimizer(o) -> None:
             raise UserError(f"{flag} {value} must be a finite number {wanted}")
 
 
+def check_mesh_split(config: Config, world_size: int) -> None:
+    """The checks of the mesh and schedule that do not depend on the batch (heads over tp, experts
+    over ep, layers over pipeline stages, the sequence over cp): what the planner checks of a
+    mesh it is given before it searches the batch's split."""
+    model_cfg = get_model_config(config.model.model, config.model.model_overrides)
+    mesh_spec = MeshSpec.parse(config.parallel.mesh, world_size)
+    # One micro-batch of one sample, pp of them per rank: a batch that every schedule takes.
+    batch = attrs.evolve(config.data, micro_batch=1, global_batch=mesh_spec.dp_size * mesh_spec.pp)
+    _check_model_split(attrs.evolve(config, data=batch), model_cfg, mesh_spec)
+    _check_sequence_split(config, model_cfg, mesh_spec)
+
+
 def _check_model_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
     """Heads over tp, experts over ep, layers over pipeline stages, rows over data-parallel ranks."""
     name, d = config.model.model, config.data

@@ -1,14 +1,22 @@
-"""`python -m dtrain.planner`: the best layouts of a model on a number of GPUs, or the memory and
-step-time models against the measured benchmark rows.
+"""`python -m dtrain.planner`: the best layouts of a model on a number of GPUs, a given layout
+evaluated, or the models against measured and published runs.
 
-    python -m dtrain.planner --model llama3-70b --gpus 1024 --gpus-per-node 8 --gpu-memory-gb 80 \\
+    python -m dtrain.planner --model llama3-70b --gpus 1024 --gpu h100-sxm \\
         --seq-len 8192 --global-batch 1024 [--fp8 tensorwise] [--top 3] [--json]
+    python -m dtrain.planner --model llama3-70b --gpus 64 --gpu h100-sxm --seq-len 8192 --global-batch 128 \\
+        --mesh pp=8,dp_shard=2,tp=4 --pp-virtual-stages 5 --dp-mode zero1   # this layout: fits? how fast? why?
     python -m dtrain.planner --model llama3-8b --gpus 64 --global-batch 256 \\
         --fp8 delayed --fp8-backend te --fp8-head          # Transformer Engine's FP8, the head too
     python -m dtrain.planner --validate benchmarks/results.jsonl [--readme README.md]
+    python -m dtrain.planner --published benchmarks/published_runs.jsonl [--readme docs/planner.md]
+    python -m dtrain.planner --profiles                    # the GPU profiles and their rates
 
-With --readme, the output is also written into that file between the markers that name the
-same command (`<!-- python -m dtrain.planner ARGS -->` ... `<!-- end of python -m dtrain.planner -->`).
+`--mesh` fixes the mesh, and each of --micro-batch, --recompute, --recompute-layers,
+--pp-schedule, --pp-virtual-stages, --dp-mode, --fsdp-reshard-after-forward and --cpu-offload
+fixes that choice; the rest is searched. A fixed layout that fits in no way is still reported,
+with its memory per rank, as not fitting. With --readme, the output is also written into that
+file between the markers that name the same command (`<!-- python -m dtrain.planner ARGS -->` ...
+`<!-- end of python -m dtrain.planner -->`).
 """
 
 from __future__ import annotations
@@ -19,14 +27,24 @@ import sys
 import time
 from pathlib import Path
 
-from dtrain.planner.hardware import H200
-from dtrain.planner.search import Candidate, Target, fp8_flags, nothing_fits, search
+import attrs
+
+from dtrain.config import ParallelArgs, TrainArgs
 from dtrain.layout.checks import check_experts, check_head
+from dtrain.planner import gpus
+from dtrain.planner.candidates import Fixed, Target
+from dtrain.planner.hardware import H200
+from dtrain.planner.report import END_MARKER, plan_text, write_into_readme
+from dtrain.planner.search import nothing_fits, search
 from models.errors import UserError
 from models.presets import get_model_config
 from parallel.precision import FP8_RECIPES, check_fp8_recipe
 
-END_MARKER = "<!-- end of python -m dtrain.planner -->"
+__all__ = ["END_MARKER", "main"]
+
+
+def _choices(group, name: str) -> tuple[str, ...]:
+    return attrs.fields_dict(group)[name].metadata["choices"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-overrides", default="", help="changes to the preset's shape, e.g. num_layers=40")
     parser.add_argument("--gpus", type=int, help="GPUs in all")
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="usable memory per GPU")
+    parser.add_argument("--gpu", choices=list(gpus.DATASHEETS), default=None,
+                        help="the GPU's profile (--profiles lists them; default: the GPU this machine has, else "
+                             f"{gpus.DEFAULT})")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None, help="usable memory per GPU (default: the profile's)")
+    parser.add_argument("--inter-node-gb-s", type=float, default=None,
+                        help="network bandwidth per GPU between nodes, GB/s (default: the profile's)")
+    parser.add_argument("--host-memory-gb", type=float, default=H200.host_memory_gb,
+                        help="host memory per node, for CPU offload")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--global-batch", type=int, help="samples per optimizer step")
     parser.add_argument("--fp8", choices=[recipe for recipes in FP8_RECIPES.values() for recipe in recipes],
@@ -49,66 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --fp8-backend te, the routed experts' grouped GEMMs in FP8 too")
     parser.add_argument("--loss-chunk-tokens", type=int, default=0,
                         help="the output projection and loss this many tokens at a time (dtrain.run's flag; 0: all)")
-    parser.add_argument("--inter-node-gb-s", type=float, default=H200.inter_node_gb_s,
-                        help="network bandwidth per GPU between nodes, GB/s")
-    parser.add_argument("--host-memory-gb", type=float, default=H200.host_memory_gb,
-                        help="host memory per node, for CPU offload")
+    fixed = parser.add_argument_group("a given layout (each fixes that choice; the rest is searched)")
+    fixed.add_argument("--mesh", help="the mesh, as dtrain.run takes it (e.g. pp=8,dp_shard=2,tp=4)")
+    fixed.add_argument("--micro-batch", type=int)
+    fixed.add_argument("--recompute", choices=_choices(TrainArgs, "recompute"))
+    fixed.add_argument("--recompute-layers", type=int)
+    fixed.add_argument("--pp-schedule", choices=_choices(ParallelArgs, "pp_schedule"))
+    fixed.add_argument("--pp-virtual-stages", type=int)
+    fixed.add_argument("--dp-mode", choices=_choices(ParallelArgs, "dp_mode"))
+    fixed.add_argument("--fsdp-reshard-after-forward", choices=_choices(ParallelArgs, "fsdp_reshard_after_forward"))
+    fixed.add_argument("--cpu-offload", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--top", type=int, default=3, help="how many candidates to print")
     parser.add_argument("--json", action="store_true", help="a JSON list of the candidates, best first")
     parser.add_argument("--validate", type=Path, metavar="RESULTS",
                         help="predicted against measured peak memory and tokens/s for a benchmark JSON-lines file")
+    parser.add_argument("--published", type=Path, metavar="RUNS",
+                        help="predicted against published tokens/s of runs at scale (benchmarks/published_runs.jsonl)")
+    parser.add_argument("--profiles", action="store_true", help="the GPU profiles: datasheet figures and rates")
     parser.add_argument("--readme", type=Path, help="also write the output into this file between its markers")
     return parser
-
-
-def describe(candidate: Candidate, rank: int, gpu_memory_gb: float) -> list[str]:
-    """A few lines per candidate: the layout, memory per rank, speed, and the command."""
-    p, t = candidate.config.parallel, candidate.config.train
-    layout = [f"micro-batch {candidate.config.data.micro_batch}", f"recompute {candidate.recompute}"]
-    if "pp=" in candidate.mesh:
-        layout.append(f"{p.pp_schedule}" + (f" x{p.pp_virtual_stages} stages/rank" if p.pp_virtual_stages > 1 else ""))
-    if p.fsdp_reshard_after_forward != "default":
-        layout.append(f"reshard {p.fsdp_reshard_after_forward}")
-    if p.cpu_offload:
-        layout.append("CPU offload")
-    if t.fp8:
-        layout.append(" ".join(fp8_flags(t)))
-    memory_line = candidate.memory.lines()[0]
-    step = candidate.step
-    return [
-        f"{rank}. --mesh {candidate.mesh}: {', '.join(layout)}",
-        f"   memory per rank {memory_line.replace(' GB at', f' of {gpu_memory_gb:g} GB at', 1)}",
-        f"   {step.tokens_per_sec_per_gpu:,.0f} tokens/s/GPU, MFU {100 * step.mfu():.1f}%, {step.seconds:.2f} s per step",
-        f"   {candidate.command}",
-    ]
-
-
-def plan_text(target: Target, candidates: list[Candidate], top: int, seconds: float) -> str:
-    nodes = max(1, target.gpus // target.gpus_per_node)
-    fp8 = " ".join(fp8_flags(target))
-    head = (f"{target.model} on {target.gpus} GPUs ({nodes} x {min(target.gpus, target.gpus_per_node)}, "
-            f"{target.gpu_memory_gb:g} GB each), seq {target.seq_len}, global batch {target.global_batch}"
-            f"{', ' + fp8 if fp8 else ''}: {len(candidates):,} layouts fit "
-            f"(searched in {seconds:.1f} s); the best {min(top, len(candidates))}:")
-    lines = [head, ""]
-    for rank, candidate in enumerate(candidates[:top], 1):
-        lines += describe(candidate, rank, target.gpu_memory_gb) + [""]
-    return "\n".join(lines).rstrip()
-
-
-def write_into_readme(readme: Path, command: str, text: str) -> None:
-    """Replaces what follows the marker `<!-- COMMAND -->` up to the end marker with `text`."""
-    begin = f"<!-- {command} -->"
-    content = readme.read_text()
-    if begin not in content:
-        raise UserError(f"{readme} has no marker {begin!r}; add it, and {END_MARKER!r} after it, where the output goes")
-    head, _, rest = content.partition(begin)
-    if END_MARKER not in rest:
-        raise UserError(f"{readme}: the marker {begin!r} has no {END_MARKER!r} after it")
-    _, _, tail = rest.partition(END_MARKER)
-    if not text.startswith("|"):
-        text = f"```text\n{text}\n```"  # the planner's lines, kept as printed
-    readme.write_text(f"{head}{begin}\n{text}\n{END_MARKER}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,27 +111,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> str:
+    if args.profiles:
+        return gpus.profiles_table()
+    for flag, path in (("--validate", args.validate), ("--published", args.published)):
+        if path is not None and not path.is_file():
+            raise UserError(f"{flag} {path}: no such file")
     if args.validate:
         from dtrain.planner.measured import validation_text
 
-        if not args.validate.is_file():
-            raise UserError(f"--validate {args.validate}: no such file")
         return validation_text(args.validate)
-    for name in ("model", "gpus", "global_batch"):
-        if getattr(args, name) is None:
-            raise UserError(f"--{name.replace('_', '-')} is needed (or --validate RESULTS)")
-    if min(args.gpus, args.seq_len, args.global_batch, args.gpus_per_node, args.top) < 1 or min(
-            args.gpu_memory_gb, args.inter_node_gb_s, args.host_memory_gb) <= 0:
-        raise UserError("--gpus, --gpus-per-node, --seq-len, --global-batch, --top, --gpu-memory-gb, "
-                        "--inter-node-gb-s and --host-memory-gb must be positive")
-    check_head(args.fp8, args.fp8_head, args.loss_chunk_tokens)
-    check_fp8_recipe(args.fp8, args.fp8_backend)
-    target = Target(model=args.model, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
-                    gpu_memory_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node,
-                    model_overrides=args.model_overrides, fp8=args.fp8, fp8_backend=args.fp8_backend,
-                    fp8_head=args.fp8_head, fp8_experts=args.fp8_experts, loss_chunk_tokens=args.loss_chunk_tokens,
-                    inter_node_gb_s=args.inter_node_gb_s, host_memory_gb=args.host_memory_gb)
-    check_experts(target, get_model_config(args.model, args.model_overrides))
+    if args.published:
+        from dtrain.planner.published import published_text
+
+        return published_text(args.published)
+    target = target_of(args)
     started = time.perf_counter()
     candidates = search(target)
     seconds = time.perf_counter() - started
@@ -156,6 +133,35 @@ def run(args: argparse.Namespace) -> str:
     if args.json:
         return json.dumps([c.as_json() for c in candidates[:max(args.top, 1)]], indent=1)
     return plan_text(target, candidates, args.top, seconds)
+
+
+def target_of(args: argparse.Namespace) -> Target:
+    """The target of the command line, checked."""
+    for name in ("model", "gpus", "global_batch"):
+        if getattr(args, name) is None:
+            raise UserError(f"--{name.replace('_', '-')} is needed (or --validate RESULTS, --published RUNS)")
+    if min(args.gpus, args.seq_len, args.global_batch, args.gpus_per_node, args.top) < 1 or min(
+            args.gpu_memory_gb or 1, args.inter_node_gb_s or 1, args.host_memory_gb) <= 0:
+        raise UserError("--gpus, --gpus-per-node, --seq-len, --global-batch, --top, --gpu-memory-gb, "
+                        "--inter-node-gb-s and --host-memory-gb must be positive")
+    for flag, value in (("--micro-batch", args.micro_batch), ("--pp-virtual-stages", args.pp_virtual_stages)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value} must be >= 1")
+    if args.recompute_layers is not None and args.recompute_layers < 0:
+        raise UserError(f"--recompute-layers {args.recompute_layers} must be >= 0")
+    check_head(args.fp8, args.fp8_head, args.loss_chunk_tokens)
+    check_fp8_recipe(args.fp8, args.fp8_backend)
+    fixed = Fixed(mesh=args.mesh, micro_batch=args.micro_batch, recompute=args.recompute,
+                  recompute_layers=args.recompute_layers, pp_schedule=args.pp_schedule,
+                  pp_virtual_stages=args.pp_virtual_stages, fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,
+                  cpu_offload=args.cpu_offload, dp_mode=args.dp_mode)
+    target = Target(model=args.model, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
+                    gpu=args.gpu or gpus.detect(), gpu_memory_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node,
+                    model_overrides=args.model_overrides, fp8=args.fp8, fp8_backend=args.fp8_backend,
+                    fp8_head=args.fp8_head, fp8_experts=args.fp8_experts, loss_chunk_tokens=args.loss_chunk_tokens,
+                    inter_node_gb_s=args.inter_node_gb_s, host_memory_gb=args.host_memory_gb, fixed=fixed)
+    check_experts(target, get_model_config(args.model, args.model_overrides))
+    return target
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ import torch
 from dtrain.config import Config
 from dtrain.planner import memory
 from dtrain.planner.hardware import GIGA
-from dtrain.planner.search import Candidate, Target, fp8_flags, nothing_fits, search
+from dtrain.planner import gpus
+from dtrain.planner.candidates import Candidate, Target, fp8_flags
+from dtrain.planner.search import nothing_fits, search
 from models.errors import UserError
 from parallel.mesh import MeshSpec
 
@@ -44,7 +46,7 @@ def target_of(config: Config, world_size: int) -> Target:
     d, t = config.data, config.train
     return Target(model=config.model.model, model_overrides=config.model.model_overrides, gpus=world_size,
                   seq_len=d.seq_len, global_batch=d.global_batch or d.micro_batch * world_size,
-                  gpu_memory_gb=gpu_memory_gb(config), gpus_per_node=gpus_per_node(), fp8=t.fp8,
+                  gpu=gpus.detect(), gpu_memory_gb=gpu_memory_gb(config), gpus_per_node=gpus_per_node(), fp8=t.fp8,
                   fp8_backend=t.fp8_backend, fp8_head=t.fp8_head, fp8_experts=t.fp8_experts,
                   loss_chunk_tokens=t.loss_chunk_tokens, compile=t.compile, precision=t.precision)
 
@@ -70,7 +72,7 @@ def apply(config: Config, candidate: Candidate) -> Config:
     parallel = attrs.evolve(config.parallel, mesh=c.parallel.mesh, sequence_parallel=c.parallel.sequence_parallel,
                             pp_schedule=c.parallel.pp_schedule, pp_virtual_stages=c.parallel.pp_virtual_stages,
                             pp_layout="", fsdp_reshard_after_forward=c.parallel.fsdp_reshard_after_forward,
-                            cpu_offload=c.parallel.cpu_offload)
+                            cpu_offload=c.parallel.cpu_offload, dp_mode=c.parallel.dp_mode)
     data = attrs.evolve(config.data, micro_batch=c.data.micro_batch, global_batch=c.data.global_batch)
     train = attrs.evolve(config.train, recompute=c.train.recompute, recompute_layers=c.train.recompute_layers)
     return attrs.evolve(config, parallel=parallel, data=data, train=train)
@@ -80,7 +82,7 @@ def summary(candidate: Candidate) -> str:
     """The candidate's flags that differ between layouts, its predicted peak and speed."""
     flags = candidate.command.split(" -m dtrain.run ", 1)[1].split()
     keep = {"--mesh", "--micro-batch", "--recompute", "--recompute-layers", "--pp-schedule", "--pp-virtual-stages",
-            "--fsdp-reshard-after-forward", "--cpu-offload", "--sequence-parallel"}
+            "--fsdp-reshard-after-forward", "--cpu-offload", "--sequence-parallel", "--dp-mode"}
     shown = [f"{flag} {value}" if value and not value.startswith("--") else flag
              for flag, value in zip(flags, flags[1:] + [""]) if flag in keep]
     return (f"{' '.join(shown)} (predicted {candidate.memory.total / GIGA:.1f} GB per GPU, "
@@ -96,6 +98,7 @@ def _distance(candidate: Candidate, config: Config, mesh: MeshSpec) -> int:
     changed += (c.train.recompute, c.train.recompute_layers) != (config.train.recompute, config.train.recompute_layers)
     changed += c.parallel.cpu_offload != config.parallel.cpu_offload
     changed += c.parallel.fsdp_reshard_after_forward != config.parallel.fsdp_reshard_after_forward
+    changed += c.parallel.dp_mode != config.parallel.dp_mode
     return changed
 
 

@@ -21,9 +21,11 @@ ACCUMULATE_WHOLE_BYTES = 8  # plus the compute dtype's bytes
 ACCUMULATE_SHARD_BYTES = 12
 
 
-def fsdp_exposed_seconds(work: Workload, compute: float, hw: Hardware) -> float:
+def fsdp_exposed_seconds(work: Workload, compute: float, hw: Hardware) -> dict[str, float]:
     """FSDP's collectives of one step: what compute cannot hide (the first all-gather, the last
-    reduce-scatter, and any excess over the compute), plus the slowdown of the compute they overlap."""
+    reduce-scatter, and any excess over the compute), plus the slowdown of the compute they overlap;
+    by kind ("dp_all_gather", "dp_reduce_scatter", "dp_replicate_all_reduce"), the shared parts
+    in proportion to each kind's time."""
     p, mesh = work.config.parallel, work.mesh_spec
     totals = work.unit_totals()
     m = work.num_microbatches
@@ -33,31 +35,39 @@ def fsdp_exposed_seconds(work: Workload, compute: float, hw: Hardware) -> float:
     # Units kept gathered are gathered once per micro-batch (once per step where gradients are
     # reduced once); resharded units again for each backward.
     kept_gathers, resharded_gathers, reductions = (1 if once else m), 2 * m, (1 if once else m)
-    moved = (kept_gathers * totals.share_kept_bytes + resharded_gathers * totals.share_resharded_bytes
-             + reductions * 4 * totals.share_reduced)
-    total = moved / link + totals.collectives * (kept_gathers + reductions) * hw.collective_latency_s
+    gathered = ((kept_gathers * totals.share_kept_bytes + resharded_gathers * totals.share_resharded_bytes) / link
+                + totals.collectives * kept_gathers * hw.collective_latency_s)
+    parts = {"dp_all_gather": gathered,
+             "dp_reduce_scatter": reductions * (4 * totals.share_reduced / link + totals.collectives * hw.collective_latency_s)}
     if mesh.dp_replicate > 1:
         # HSDP all-reduces each unit's shards over the replicas as often as the unit reduces.
         replicas = mesh.dp_replicate
         reduced = sum(u.trainable * (1 if work.reduces_once(u) else m) for u in work.all_units())
-        total += 4 * reduced * 2 * (replicas - 1) / replicas / (hw.link_gb_s(span * replicas) * GIGA)
+        parts["dp_replicate_all_reduce"] = 4 * reduced * 2 * (replicas - 1) / replicas / (
+            hw.link_gb_s(span * replicas) * GIGA)
+    total = sum(parts.values())
+    if total == 0:
+        return {}
     first, last = totals.first_gather_bytes / link, 4 * totals.last_reduced / link
     hidden = min(total - first - last, compute)
-    return first + last + max(0.0, total - first - last - compute) + hw.overlap_slowdown * hidden
+    shared = max(0.0, total - first - last - compute) + hw.overlap_slowdown * hidden
+    exposed = {name: shared * seconds / total for name, seconds in parts.items()}
+    exposed["dp_all_gather"] += first
+    exposed["dp_reduce_scatter"] += last
+    return exposed
 
 
-def optimizer_seconds(work: Workload, hw: Hardware) -> float:
-    """The AdamW step, FSDP's copies into and out of its collectives' buffers (the cast of the
+def optimizer_seconds(work: Workload, hw: Hardware) -> tuple[float, float]:
+    """(The AdamW step, FSDP's copies into and out of its collectives' buffers (the cast of the
     fp32 shards for the all-gather, the gradients into fp32 for the reduce-scatter), and the sums of
-    the gradients over the step's micro-batches."""
+    the gradients over the step's micro-batches; --cpu-offload's copies between host and GPU)."""
     totals = work.unit_totals()
     trainable = totals.trainable
     copies = FSDP_COPY_BYTES * totals.gathered_trainable / (hw.hbm_tb_s * TERA)
     if not work.config.parallel.cpu_offload:
-        return (OPTIMIZER_BYTES * trainable + accumulated_bytes(work)) / (hw.hbm_tb_s * TERA) + copies
+        return (OPTIMIZER_BYTES * trainable + accumulated_bytes(work)) / (hw.hbm_tb_s * TERA) + copies, 0.0
     # Gradients come to the host, the step runs on the CPU, and the weights go back each step.
-    copies = 4 * trainable * 2 / (hw.host_gb_s * GIGA)
-    return copies + OPTIMIZER_BYTES * trainable / (hw.cpu_adam_gb_s * GIGA)
+    return OPTIMIZER_BYTES * trainable / (hw.cpu_adam_gb_s * GIGA), 4 * trainable * 2 / (hw.host_gb_s * GIGA)
 
 
 def accumulated_bytes(work: Workload) -> float:

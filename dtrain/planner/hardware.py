@@ -16,10 +16,12 @@ GIGA = 1e9
 
 @attrs.frozen
 class Hardware:
+    name: str = "h200"                   # the profile (gpus.py)
     gpu_memory_gb: float = 141.0         # what one GPU holds (H200: 141 GB; planners often assume 80)
     gpus_per_node: int = 8
     host_memory_gb: float = 2000.0       # per node, for CPU offload (the node's GPUs share it)
     peak_tflops: float = 989.0           # dense BF16 datasheet peak: the MFU denominator only
+    fp8_peak_tflops: float = 1979.0      # dense FP8 datasheet peak (0: no FP8 matmuls)
     gemm_tflops: float = 780.0           # BF16 GEMM 8192^3, measured
     # GEMMs lose efficiency as their smaller weight dim shrinks: rate x n / (n + gemm_half_dim).
     gemm_half_dim: float = 80.0

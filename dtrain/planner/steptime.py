@@ -50,14 +50,17 @@ class _Throughput:
     tokens: int             # per step, all ranks
     world_size: int
     flops_per_token: float
+    # The GPU's dense BF16 peak (TFLOP/s), the MFU denominator.
+    peak_tflops: float = attrs.field(default=H200.peak_tflops, kw_only=True)
 
     @property
     def tokens_per_sec_per_gpu(self) -> float:
         return self.tokens / self.seconds / self.world_size
 
-    def mfu(self, hardware: Hardware = H200) -> float:
-        """Model FLOPs utilisation (BENCHMARKS.md's convention), as a fraction."""
-        return self.flops_per_token * self.tokens_per_sec_per_gpu / (hardware.peak_tflops * TERA)
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs per second over the dense BF16 peak (FP8 runs too),
+        as a fraction."""
+        return self.flops_per_token * self.tokens_per_sec_per_gpu / (self.peak_tflops * TERA)
 
 
 @attrs.frozen
@@ -65,19 +68,53 @@ class StepTime(_Throughput):
     """Seconds of one optimizer step on the slowest rank, by what they are spent on."""
 
     compute: float          # GEMMs, attention, element-wise kernels (recompute included)
-    communication: float    # tp, cp and ep collectives (waited for), pipeline sends
-    fsdp_exposed: float     # FSDP collectives compute does not hide, and the slowdown of what it hides
+    # Collectives waited for, per mesh dim: tp, cp and ep's, and the pipeline's sends ("pp").
+    waits: dict[str, float]
+    # The data-parallel collectives' exposed seconds, per kind ("dp_all_gather", "dp_reduce_scatter",
+    # "dp_replicate_all_reduce"): what compute does not hide, and the slowdown of what it hides.
+    data_parallel: dict[str, float]
     bubble: float           # pipeline fill and drain
-    optimizer: float        # the AdamW step (on the CPU under --cpu-offload, with its copies)
+    optimizer: float        # the AdamW step (on the CPU under --cpu-offload)
+    offload: float          # --cpu-offload's copies between host and GPU
     overhead: float
 
     @property
+    def communication(self) -> float:
+        return sum(self.waits.values())
+
+    @property
+    def fsdp_exposed(self) -> float:
+        return sum(self.data_parallel.values())
+
+    @property
     def seconds(self) -> float:
-        return self.compute + self.communication + self.fsdp_exposed + self.bubble + self.optimizer + self.overhead
+        return (self.compute + self.communication + self.fsdp_exposed + self.bubble + self.optimizer + self.offload
+                + self.overhead)
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds per part of the step: compute, each wait and exposed collective, the bubble,
+        the optimizer, offload's copies and the fixed overhead (the parts that take time)."""
+        parts = {"compute": self.compute, **self.waits, **self.data_parallel, "bubble": self.bubble,
+                 "optimizer": self.optimizer, "offload": self.offload, "overhead": self.overhead}
+        return {name: round(seconds, 4) for name, seconds in parts.items() if seconds > 0}
+
+    def bound_by(self, at_least: float = 0.02) -> str:
+        """What beyond compute takes the step's time, largest first, as shares of the step (those
+        of at least `at_least`): "pp bubble 18%, dp all-gather exposed 6%"."""
+        shares = sorted(((seconds / self.seconds, name) for name, seconds in self.breakdown().items()
+                         if name not in ("compute", "overhead")), reverse=True)
+        named = [f"{BOUND_NAMES.get(name, name)} {100 * share:.0f}%" for share, name in shares if share >= at_least]
+        return ", ".join(named) or f"compute {100 * self.compute / self.seconds:.0f}%"
 
     def as_dict(self) -> dict[str, float]:
-        names = ("compute", "communication", "fsdp_exposed", "bubble", "optimizer", "overhead")
-        return {name: round(getattr(self, name), 4) for name in names} | {"seconds": round(self.seconds, 4)}
+        return self.breakdown() | {"seconds": round(self.seconds, 4)}
+
+
+# How the bound-by line names each part of a step.
+BOUND_NAMES = {"tp": "tp collectives", "cp": "cp collectives", "ep": "ep all-to-all", "pp": "pp sends",
+               "dp_all_gather": "dp all-gather exposed", "dp_reduce_scatter": "dp reduce-scatter exposed",
+               "dp_replicate_all_reduce": "dp_replicate all-reduce exposed", "bubble": "pp bubble",
+               "optimizer": "optimizer", "offload": "offload copies"}
 
 
 @attrs.frozen
@@ -95,11 +132,11 @@ class Ceiling(_Throughput):
     def seconds(self) -> float:
         return self.gemm + self.attention + self.bubble
 
-    def as_dict(self, hardware: Hardware = H200) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         return {"gemm_s": round(self.gemm, 5), "attention_s": round(self.attention, 5),
                 "bubble_s": round(self.bubble, 5), "seconds": round(self.seconds, 5),
                 "tokens_per_sec_per_gpu": round(self.tokens_per_sec_per_gpu, 1),
-                "mfu_pct": round(100 * self.mfu(hardware), 2)}
+                "mfu_pct": round(100 * self.mfu(), 2)}
 
 
 def predict_step(config: Config, world_size: int, hardware: Hardware = H200) -> StepTime:
@@ -134,7 +171,7 @@ def _workload_ceiling(work: Workload, hw: Hardware) -> Ceiling:
     d = work.config.data
     return Ceiling(gemm=gemm, attention=attention, bubble=(gemm + attention) * bubble_share / (1 - bubble_share),
                    tokens=d.global_batch * d.seq_len, world_size=work.mesh_spec.world_size,
-                   flops_per_token=_flops_per_token(work.model_cfg, d.seq_len))
+                   flops_per_token=_flops_per_token(work.model_cfg, d.seq_len), peak_tflops=hw.peak_tflops)
 
 
 def predict_workload(work: Workload, hardware: Hardware = H200) -> StepTime:
@@ -144,15 +181,18 @@ def predict_workload(work: Workload, hardware: Hardware = H200) -> StepTime:
     compute = m * (sum(c for c, _ in per_micro_batch) + len(work.stages) * hardware.micro_batch_overhead_s)
     if work.mesh_spec.pp > 1 and p.pp_schedule in ("gpipe", "looped-bfs"):
         compute *= 1 + hardware.breadth_first_slowdown
-    communication = m * sum(c for _, c in per_micro_batch)
+    waits: dict[str, float] = {}
+    for _, stage_waits in per_micro_batch:
+        for dim, seconds in stage_waits.items():
+            waits[dim] = waits.get(dim, 0.0) + m * seconds
     bubble_share = pipeline.bubble_fraction(p.pp_schedule, work.mesh_spec.pp, p.pp_virtual_stages, m)
-    bubble = (compute + communication) * bubble_share / (1 - bubble_share)
-    fsdp = fsdp_exposed_seconds(work, compute, hardware)
+    bubble = (compute + sum(waits.values())) * bubble_share / (1 - bubble_share)
+    optimizer, offload = optimizer_seconds(work, hardware)
     return StepTime(
-        compute=compute, communication=communication, fsdp_exposed=fsdp, bubble=bubble,
-        optimizer=optimizer_seconds(work, hardware), overhead=hardware.step_overhead_s,
+        compute=compute, waits=waits, data_parallel=fsdp_exposed_seconds(work, compute, hardware), bubble=bubble,
+        optimizer=optimizer, offload=offload, overhead=hardware.step_overhead_s,
         tokens=d.global_batch * d.seq_len, world_size=work.mesh_spec.world_size,
-        flops_per_token=_flops_per_token(work.model_cfg, d.seq_len),
+        flops_per_token=_flops_per_token(work.model_cfg, d.seq_len), peak_tflops=hardware.peak_tflops,
     )
 
 
@@ -161,35 +201,39 @@ def _flops_per_token(model_cfg, seq_len: int) -> float:
     return flops.flops_per_token(model_cfg, seq_len)
 
 
-def _stage_seconds(work: Workload, stage: Stage, hw: Hardware) -> tuple[float, float]:
-    """(compute, waited-for communication) of one micro-batch of a stage, forward and backward."""
-    t = work.config.train
-    compute = communication = 0.0
+def _stage_seconds(work: Workload, stage: Stage, hw: Hardware) -> tuple[float, dict[str, float]]:
+    """(compute, waited-for collectives per mesh dim) of one micro-batch of a stage, forward and
+    backward."""
+    t, mesh = work.config.train, work.mesh_spec
+    compute = 0.0
+    waits: dict[str, float] = {}
     for block, mode, count in work.block_mix(stage):
-        block_compute, block_communication = _block_seconds(work, block, mode, hw)
+        block_compute, block_waits = _block_seconds(work, block, mode, hw)
         compute += count * block_compute
-        communication += count * block_communication
+        for dim, seconds in block_waits.items():
+            waits[dim] = waits.get(dim, 0.0) + count * seconds
+    # The vocab-parallel lookup (first stage) and the head's input (last stage) are summed over tp.
+    ends = stage.first + stage.last
     if stage.last:
         # Each MTP module's prediction runs the head and its loss once more.
         compute += _head_seconds(work, hw) * (1 + work.mtp_depth)
-        communication += _allreduce(work.tokens * _residual_bytes(work), work.mesh_spec.tp, hw.link_gb_s(work.mesh_spec.tp), hw)
-    if stage.first:
-        # The vocab-parallel lookup is summed over tp.
-        communication += _allreduce(work.tokens * _residual_bytes(work), work.mesh_spec.tp, hw.link_gb_s(work.mesh_spec.tp), hw)
-    if work.mesh_spec.pp > 1:
-        span = work.mesh_spec.world_size // work.mesh_spec.pp * 2
-        sent = work.tokens * DTYPE_BYTES[t.precision] * (work.model_cfg.dim / work.mesh_spec.tp if work.plan.sequence_parallel
+    if mesh.tp > 1 and ends:
+        waits["tp"] = waits.get("tp", 0.0) + ends * _allreduce(work.tokens * _residual_bytes(work), mesh.tp,
+                                                                  hw.link_gb_s(mesh.tp), hw)
+    if mesh.pp > 1:
+        span = mesh.world_size // mesh.pp * 2
+        sent = work.tokens * DTYPE_BYTES[t.precision] * (work.model_cfg.dim / mesh.tp if work.plan.sequence_parallel
                                                          else work.model_cfg.dim)
-        communication += 2 * sent / (hw.link_gb_s(span) * GIGA)
-    return compute, communication
+        waits["pp"] = 2 * sent / (hw.link_gb_s(span) * GIGA)
+    return compute, waits
 
 
 def _residual_bytes(work: Workload) -> float:
     return DTYPE_BYTES[work.config.train.precision] * work.model_cfg.dim
 
 
-def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple[float, float]:
-    """One micro-batch of one block on this rank: compute and waited-for communication."""
+def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple[float, dict[str, float]]:
+    """One micro-batch of one block on this rank: compute and waited-for collectives per mesh dim."""
     mesh, t = work.mesh_spec, work.config.train
     gemm, casts = _gemm_seconds(work, block, hw)
     attention = _attention_seconds(work, hw)
@@ -201,7 +245,7 @@ def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple
     # The MTP layer's weights (and saved bytes) hold all its modules; each module attends, and
     # waits for its collectives, once.
     compute = (gemm + casts + attention * work.repeats(block)) * MATMULS_RUN[mode] + elementwise * ELEMENTWISE_RUN[mode]
-    comm = 0.0
+    waits = {}
     residual = work.tokens * _residual_bytes(work)
     moe = work.is_moe(block)
     if mesh.tp > 1:
@@ -210,12 +254,12 @@ def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple
         regions = 3 if moe else 4
         if mode == "full":
             regions += 1.5 if moe else 2
-        comm += regions * (_allreduce(residual, mesh.tp, hw.link_gb_s(mesh.tp), hw) + hw.tp_region_s)
+        waits["tp"] = regions * (_allreduce(residual, mesh.tp, hw.link_gb_s(mesh.tp), hw) + hw.tp_region_s)
     if mesh.cp > 1:
-        comm += _context_parallel_seconds(work, attention, hw)
+        waits["cp"] = _context_parallel_seconds(work, attention, hw)
     if moe and mesh.ep > 1:
-        comm += _expert_parallel_seconds(work, hw) * (1.5 if mode == "full" else 1)
-    return compute, comm * work.repeats(block)
+        waits["ep"] = _expert_parallel_seconds(work, hw) * (1.5 if mode == "full" else 1)
+    return compute, {dim: seconds * work.repeats(block) for dim, seconds in waits.items()}
 
 
 def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> tuple[float, float]:

@@ -197,10 +197,19 @@ class Workload:
 def workload(config: Config, world_size: int, rank: int = 0, device_type: str = "cuda") -> Workload:
     """The share of `rank` in a world of `world_size` ranks; `config` as the run would resolve it
     (an unset --global-batch means one micro-batch per data-parallel rank)."""
-    config = with_global_batch(config, world_size)
+    config = fsdp_as_run(with_global_batch(config, world_size))
     model_cfg = get_model_config(config.model.model, config.model.model_overrides)
     mesh_spec = MeshSpec.parse(config.parallel.mesh, world_size)
     return _workload(config, model_cfg, mesh_spec, rank, device_type)
+
+
+def fsdp_as_run(config: Config) -> Config:
+    """`config` with the resharding and reduce-once that its --dp-mode runs (the models read those)."""
+    p = config.parallel
+    reshard, once = data_parallel.fsdp_settings(p.dp_mode, p.fsdp_reshard_after_forward, p.fsdp_reduce_once)
+    if (reshard, once) == (p.fsdp_reshard_after_forward, p.fsdp_reduce_once):
+        return config
+    return attrs.evolve(config, parallel=attrs.evolve(p, fsdp_reshard_after_forward=reshard, fsdp_reduce_once=once))
 
 
 def _workload(config: Config, model_cfg, mesh_spec: MeshSpec, rank: int, device_type: str) -> Workload:

@@ -1,0 +1,106 @@
+"""GPU profiles: what the planner predicts for on each kind of GPU.
+
+    from dtrain.planner.gpus import profile
+    hw = profile("h100-sxm")                      # a Hardware: memory, peaks, rates, links
+    hw = profile("b200", memory_gb=180, inter_node_gb_s=50)
+
+The H200's rates are measured (hardware.py). No other GPU has been measured yet, so each of
+their rates is the H200's scaled by the ratio of the two GPUs' datasheet figures that bounds it
+(SCALED_BY): GEMMs and attention by the dense BF16 peak, FP8 GEMMs by the dense FP8 peak,
+copies and element-wise kernels by HBM bandwidth, collectives inside a node by NVLink bandwidth,
+host copies by PCIe. Fixed costs per call (launches, latencies) are kept as measured. A GPU
+without FP8 matmuls (A100) runs FP8 recipes at its BF16 rate, their casts emulated. A measured
+profile replaces the scaled one row by row.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dtrain.planner.hardware import H200, Hardware
+
+
+@attrs.frozen
+class Datasheet:
+    """A GPU's published figures (dense, no sparsity) and its usual cluster."""
+
+    label: str
+    memory_gb: float
+    bf16_tflops: float        # the MFU denominator
+    fp8_tflops: float         # 0: no FP8 matmuls
+    hbm_tb_s: float
+    nvlink_gb_s: float        # both directions, all links of one GPU
+    network_gb_s: float       # per GPU between nodes, the usual cluster's
+    pcie_gb_s: float          # host <-> GPU, one direction
+
+
+DATASHEETS = {
+    "a100-80gb": Datasheet("A100 SXM 80GB", 80.0, 312.0, 0.0, 2.039, 600.0, 25.0, 32.0),
+    "h100-sxm": Datasheet("H100 SXM", 80.0, 989.0, 1979.0, 3.35, 900.0, 50.0, 64.0),
+    "h800": Datasheet("H800 SXM", 80.0, 989.0, 1979.0, 3.35, 400.0, 50.0, 64.0),
+    "h200": Datasheet("H200 SXM", 141.0, 989.0, 1979.0, 4.8, 900.0, 50.0, 64.0),
+    "b200": Datasheet("B200 (HGX)", 180.0, 2250.0, 4500.0, 8.0, 1800.0, 50.0, 64.0),
+}
+MEASURED = "h200"
+DEFAULT = "h200"
+
+# Each measured rate and the datasheet figure whose ratio carries it to another GPU.
+SCALED_BY = {
+    "gemm_tflops": "bf16_tflops",
+    "attention_tflops": "bf16_tflops",
+    "fp8_gemm_tflops": "fp8_tflops",
+    "hbm_tb_s": "hbm_tb_s",
+    "nvlink_gb_s": "nvlink_gb_s",
+    "host_gb_s": "pcie_gb_s",
+}
+# What the names that CUDA reports (torch.cuda.get_device_name) contain, per profile.
+DEVICE_NAMES = (("A100", "a100-80gb"), ("H100", "h100-sxm"), ("H800", "h800"), ("H200", "h200"), ("B200", "b200"))
+
+
+def profile(name: str, memory_gb: float | None = None, inter_node_gb_s: float | None = None, **settings) -> Hardware:
+    """The Hardware of GPU `name` (a key of DATASHEETS); `memory_gb` and `inter_node_gb_s` override
+    the datasheet's memory and the usual network, `settings` any other Hardware field."""
+    if name not in DATASHEETS:
+        from models.errors import UserError
+
+        raise UserError(f"unknown --gpu {name!r}; choose one of {', '.join(DATASHEETS)}")
+    sheet, measured = DATASHEETS[name], DATASHEETS[MEASURED]
+    rates = {}
+    for rate, figure in SCALED_BY.items():
+        theirs, ours = getattr(sheet, figure), getattr(measured, figure)
+        if figure == "fp8_tflops" and not theirs:
+            # No FP8 matmuls: the recipes' matmuls run in BF16.
+            rates[rate] = getattr(H200, "gemm_tflops") * sheet.bf16_tflops / measured.bf16_tflops
+        else:
+            rates[rate] = getattr(H200, rate) * theirs / ours
+    hardware = attrs.evolve(H200, name=name, gpu_memory_gb=sheet.memory_gb, peak_tflops=sheet.bf16_tflops,
+                            fp8_peak_tflops=sheet.fp8_tflops, inter_node_gb_s=sheet.network_gb_s, **rates)
+    overrides = {"gpu_memory_gb": memory_gb, "inter_node_gb_s": inter_node_gb_s, **settings}
+    return attrs.evolve(hardware, **{key: value for key, value in overrides.items() if value is not None})
+
+
+def detect() -> str:
+    """The profile of the GPU this process sees (its CUDA name), else the default."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return DEFAULT
+    reported = torch.cuda.get_device_name(torch.cuda.current_device())
+    return next((name for key, name in DEVICE_NAMES if key in reported), DEFAULT)
+
+
+def profiles_table() -> str:
+    """Each profile's datasheet figures and the rates the planner predicts with (markdown)."""
+    lines = ["| --gpu | GPU | memory | BF16 / FP8 peak | HBM | NVLink | network per GPU | BF16 GEMM | FP8 GEMM | "
+             "attention | copy | NCCL bus in a node | host copies |", "|" + "---|" * 13]
+    for name, sheet in DATASHEETS.items():
+        hw = profile(name)
+        fp8 = f"{sheet.fp8_tflops:,.0f}" if sheet.fp8_tflops else "none"
+        lines.append(f"| {name} | {sheet.label} | {sheet.memory_gb:g} GB | {sheet.bf16_tflops:,.0f} / {fp8} TFLOP/s | "
+                     f"{sheet.hbm_tb_s:g} TB/s | {sheet.nvlink_gb_s:,.0f} GB/s | {sheet.network_gb_s:g} GB/s | "
+                     f"{hw.gemm_tflops:,.0f} | {hw.fp8_gemm_tflops:,.0f} | {hw.attention_tflops:,.0f} | "
+                     f"{hw.hbm_tb_s:.2f} TB/s | {hw.nvlink_gb_s:,.0f} GB/s | {hw.host_gb_s:g} GB/s |")
+    scaled = ", ".join(f"{rate} by {figure}" for rate, figure in SCALED_BY.items())
+    lines += ["", f"The {MEASURED} rates are measured (attention's fitted on whole steps); the others are the "
+                  f"{MEASURED}'s scaled by the datasheet ratio of: {scaled}."]
+    return "\n".join(lines)

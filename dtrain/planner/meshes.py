@@ -1,0 +1,128 @@
+"""The meshes the planner considers for a target: every split of the GPUs into tp (within a
+node), cp, pp with its schedule and virtual stages, dp_shard and dp_replicate, and for MoE
+models ep, which borrows its ranks from dp_shard x cp (inside a node or across nodes), each with
+the workloads of its first and last pipeline rank; or only the target's fixed mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+
+from dtrain.config import Config, DataArgs, ModelArgs, ParallelArgs, TrainArgs
+from dtrain.layout.checks import check_mesh_split
+from dtrain.planner.candidates import Target
+from dtrain.planner.workload import Workload, workload
+from models.config import MoEConfig
+from models.presets import get_model_config
+from models.errors import UserError
+from parallel.mesh import MeshSpec
+
+# Virtual stages per rank the interleaved schedule is tried with (where pp x v stages have a
+# block each). Published layouts use 2 to 14.
+VIRTUAL_STAGES = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
+# HSDP replica counts tried besides none and plain DDP: powers of two that leave >= 8 shards.
+REPLICAS = (2, 4, 8, 16, 32, 64, 128)
+
+
+@attrs.frozen
+class MeshBase:
+    """One mesh and pipeline schedule: its configuration (micro-batch and recompute still open)
+    and the workloads of its first and last pipeline rank."""
+
+    config: Config
+    works: tuple[Workload, ...]
+    spec: MeshSpec
+
+    @property
+    def pp(self) -> int:
+        return self.spec.pp
+
+    @property
+    def dp(self) -> int:
+        return self.spec.dp_size
+
+    @property
+    def fsdp_ranks(self) -> int:
+        return self.spec.dp_shard * self.spec.cp
+
+
+def divisors(n: int, limit: int | None = None) -> list[int]:
+    return [k for k in range(1, (limit or n) + 1) if n % k == 0]
+
+
+def mesh_bases(target: Target) -> Iterator[MeshBase]:
+    cfg = get_model_config(target.model, target.model_overrides)
+    specs = [MeshSpec.parse(target.fixed.mesh, target.gpus)] if target.fixed.mesh else _mesh_specs(target, cfg)
+    for spec in specs:
+        for schedule, virtual in _schedules(target, spec.pp, cfg.num_layers):
+            base = _base(target, spec, schedule, virtual, strict=target.fixed.mesh is not None)
+            if base is not None:
+                yield base
+
+
+def _mesh_specs(target: Target, cfg) -> Iterator[MeshSpec]:
+    is_moe = isinstance(cfg, MoEConfig)
+    gpus, seq = target.gpus, target.seq_len
+    for tp in divisors(gpus, min(gpus, target.gpus_per_node)):
+        if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads) or (is_moe and seq % tp):
+            continue
+        for cp in divisors(gpus // tp):
+            if cp > 1 and (seq % (2 * cp) or seq // cp < 1024):
+                continue
+            for pp in divisors(gpus // (tp * cp), min(cfg.num_layers, gpus // (tp * cp))):
+                dp = gpus // (tp * cp * pp)
+                if target.global_batch % dp:
+                    continue
+                for dp_replicate in replicas(dp):
+                    dp_shard = dp // dp_replicate
+                    for ep in (divisors(cfg.num_experts) if is_moe else [1]):
+                        if (dp_shard * cp) % ep == 0:
+                            yield MeshSpec(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
+
+
+def replicas(dp: int) -> list[int]:
+    """dp_replicate sizes worth trying: none, HSDP with >= 8 shards, and plain DDP (all replicas)."""
+    return sorted({1, dp} | {r for r in REPLICAS if dp % r == 0 and dp // r >= 8})
+
+
+def _schedules(target: Target, pp: int, num_layers: int) -> list[tuple[str, int]]:
+    fixed = target.fixed
+    if pp == 1:
+        return [(fixed.pp_schedule or "1f1b", fixed.pp_virtual_stages or 1)]
+    if fixed.pp_schedule is not None or fixed.pp_virtual_stages is not None:
+        virtual = fixed.pp_virtual_stages or (1 if fixed.pp_schedule in (None, "1f1b", "gpipe") else 2)
+        schedule = fixed.pp_schedule or ("1f1b" if virtual == 1 else "interleaved-1f1b")
+        return [(schedule, virtual)]
+    return [("1f1b", 1)] + [("interleaved-1f1b", v) for v in VIRTUAL_STAGES if pp * v <= num_layers]
+
+
+def mesh_text(spec: MeshSpec) -> str:
+    sizes = {"pp": spec.pp, "dp_replicate": spec.dp_replicate, "dp_shard": spec.dp_shard, "cp": spec.cp,
+             "tp": spec.tp, "ep": spec.ep}
+    return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "dp_shard=1"
+
+
+def _base(target: Target, spec: MeshSpec, schedule: str, virtual: int, strict: bool) -> MeshBase | None:
+    """The mesh's base, or None where the model does not split so (`strict`: the error)."""
+    config = Config(
+        model=ModelArgs(target.model, target.model_overrides),
+        parallel=ParallelArgs(mesh=target.fixed.mesh or mesh_text(spec), sequence_parallel=spec.tp > 1,
+                              pp_schedule=schedule, pp_virtual_stages=virtual),
+        data=DataArgs(data="synthetic", seq_len=target.seq_len, micro_batch=1, global_batch=target.global_batch),
+        train=TrainArgs(compile=target.compile, fp8=target.fp8, fp8_backend=target.fp8_backend,
+                        fp8_head=target.fp8_head, fp8_experts=target.fp8_experts, precision=target.precision,
+                        loss_chunk_tokens=target.loss_chunk_tokens),
+    )
+    try:
+        if strict:
+            check_mesh_split(config, target.gpus)
+        # Under pp the last stage (the head) may hold the most; else the first rank does (an
+        # uneven shard leaves the last ranks less).
+        ranks = (0, target.gpus - 1) if spec.pp > 1 else (0,)
+        works = tuple(workload(config, target.gpus, rank) for rank in ranks)
+    except UserError:
+        if strict:
+            raise
+        return None
+    return MeshBase(config, works, spec)
