@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from models.errors import UserError
 from parallel import precision
@@ -72,7 +73,9 @@ def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, poli
                 continue
             # Gathered when the block reads its parameters, and kept until the backward is over:
             # the node has no tensor inputs, so FSDP reduces its gradients at the end of backward.
-            _fully_shard(model, experts, expert_dp_mesh, offload, mp_policy=policy, reshard_after_forward=False)
+            # Sharded on the dim the plan says (dim 1 where there are fewer local experts than edp ranks).
+            _fully_shard(model, experts, expert_dp_mesh, offload, mp_policy=policy, reshard_after_forward=False,
+                         shard_placement_fn=lambda param: Shard(plan.expert_fsdp_dim(tuple(param.shape))))
 
 
 def expert_parameters(model_parts: list[ModelModule], plan: Plan) -> list[torch.Tensor]:

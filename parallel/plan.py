@@ -179,13 +179,23 @@ class Plan:
             raise KeyError(f"model code names unknown activation region {region!r}")
         return resolve(axes, self.activation_rules[region], self.activation_mesh_dims)
 
-    def full_placements(self, axes: tuple[str, ...]) -> dict[str, str]:
-        """Each active mesh dim -> placement of one parameter once data parallelism is applied."""
+    def expert_fsdp_dim(self, shape: tuple[int, ...]) -> int:
+        """The dim FSDP shards an expert weight over edp (the ranks that hold the same experts):
+        the experts' own (dim 0) where each edp rank gets the same whole experts, else dim 1 (the
+        expert's expert_mlp or embed dim): with fewer local experts than edp ranks, a dim-0 split
+        would leave the first ranks every expert and the others padding of the same size."""
+        spec = self.mesh_spec
+        edp = spec.dp_shard * spec.cp // spec.ep
+        return 0 if -(-shape[0] // spec.ep) % edp == 0 else 1
+
+    def full_placements(self, axes: tuple[str, ...], shape: tuple[int, ...] | None = None) -> dict[str, str]:
+        """Each active mesh dim -> placement of one parameter (of global `shape`, which decides an
+        expert weight's FSDP dim) once data parallelism is applied."""
         if self.is_expert(axes) and self.mesh_spec.ep > 1:
             edp = self.mesh_spec.dp_shard * self.mesh_spec.cp // self.mesh_spec.ep
             layout = {"dp_replicate": "R"} if self.mesh_spec.dp_replicate > 1 else {}
             if edp > 1:
-                layout["edp"] = "S(0)"
+                layout["edp"] = f"S({self.expert_fsdp_dim(shape) if shape else 0})"
             layout["ep"] = _short(self.expert_placements(axes)[0])
             if self.mesh_spec.tp > 1:
                 layout["tp"] = "R"  # every tp rank runs the experts on its own share of the tokens
@@ -233,7 +243,7 @@ class Plan:
             for placement in self.expert_placements(axes):
                 if isinstance(placement, Shard):
                     split(placement.dim, self.mesh_spec.ep, at.get("ep", 0))
-            split(0, sizes["dp_shard"] * sizes["cp"] // self.mesh_spec.ep, at.get("edp", 0))
+            split(self.expert_fsdp_dim(shape), sizes["dp_shard"] * sizes["cp"] // self.mesh_spec.ep, at.get("edp", 0))
             return tuple(local)
         for dim, placement in zip(self.param_mesh_dims, self.param_placements(axes)):
             if isinstance(placement, Shard):
@@ -247,7 +257,7 @@ class Plan:
         rows = [("parameter", "logical axes", "placements", "global shape", "local shape")]
         for layer in layers:
             for path, param in spec.flatten(layer.params):
-                placements = " ".join(f"{d}:{p}" for d, p in self.full_placements(param.axes).items())
+                placements = " ".join(f"{d}:{p}" for d, p in self.full_placements(param.axes, param.shape).items())
                 rows.append((
                     f"{layer.name}.{path}", ",".join(param.axes), placements or "replicated",
                     "x".join(map(str, param.shape)),

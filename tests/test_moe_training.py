@@ -25,6 +25,8 @@ CASES = [
     # TP on the attention; each tp rank routes its own share of the tokens through the experts.
     ([], ["--mesh", "dp=2,ep=2,tp=2", "--sequence-parallel"], 4),
     ([], ["--mesh", "dp=2,ep=2,tp=2", "--sequence-parallel", *ALLTOALL], 4),
+    # One expert per ep rank and two ranks that hold it: FSDP shards its weights on dim 1.
+    (["--model-overrides", "num_experts=2"], ["--mesh", "dp=4,ep=2", *ALLTOALL], 4),
 ]
 
 
