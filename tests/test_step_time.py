@@ -132,3 +132,49 @@ def test_gradient_sums_over_micro_batches_cover_every_expert_whole_where_a_unit_
     sharded = summed("--mesh", "dp=8", "--micro-batch", "1", "--global-batch", "16", world=8)
     whole = summed("--mesh", "dp=8", "--micro-batch", "1", "--global-batch", "16", "--fsdp-reduce-once", world=8)
     assert 0 < sharded < whole / 4 and whole == two  # 2 micro-batches per rank, whole: as one GPU at 2
+
+
+def test_fp8_recipes_whose_scale_is_known_cast_cheaper():
+    """TE's delayed scaling takes its scale from the amax history; current scaling reads each
+    tensor once more for its amax first."""
+    delayed = _step("--mesh", "dp=8", "--fp8", "delayed", "--fp8-backend", "te")
+    current = _step("--mesh", "dp=8", "--fp8", "current", "--fp8-backend", "te")
+    assert delayed.seconds < current.seconds < _step("--mesh", "dp=8").seconds
+
+
+def test_experts_run_faster_with_more_rows_each_and_exchange_over_the_links_they_span():
+    from dtrain.planner import gpus, workload
+
+    def moe(mesh: str, world: int):
+        config = load_config(["--model", "mixtral-8x7b", "--seq-len", "4096", "--micro-batch", "1", "--compile",
+                              "--mesh", mesh, "--global-batch", str(world)])
+        return workload.workload(config, world), config
+
+    wide, _ = moe("dp=16,ep=8", 16)
+    narrow, _ = moe("dp=16,ep=2", 16)
+    assert steptime.expert_rows(wide) == 4 * steptime.expert_rows(narrow) == 4096 * 2
+    h100 = gpus.profile("h100-sxm")
+    # Inside a node every byte crosses NVLink; an ep group of two nodes sends half over the network.
+    nbytes = 1e9
+    assert h100.exchange_seconds(nbytes, 8, 1) == pytest.approx(nbytes * 7 / 8 / (h100.nvlink_gb_s * 1e9))
+    assert h100.exchange_seconds(nbytes, 16, 1) == pytest.approx(nbytes / 2 / (h100.inter_node_gb_s * 1e9))
+    assert h100.exchange_seconds(nbytes, 8, 2) == pytest.approx(nbytes / 2 / (h100.inter_node_gb_s * 1e9))
+    one_node = steptime.predict_step(moe("dp=8,ep=8", 8)[1], 8, h100)
+    two_nodes = steptime.predict_step(moe("dp=16,ep=16", 16)[1], 16, h100)
+    assert two_nodes.waits["ep"] > one_node.waits["ep"]
+
+
+def test_units_reduced_once_hide_their_collectives_behind_one_forward_and_one_backward():
+    """ZeRO-1 gathers every unit before the step's first forward and reduces after its last
+    backward: whatever the micro-batches per step, the same bytes beside the same compute (one
+    forward, one backward), so the same seconds show; FSDP gathers and reduces in every micro-batch."""
+    from dtrain.planner import gpus
+
+    def exposed(global_batch: int, *args: str) -> float:
+        config = load_config(["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1", "--compile",
+                              "--mesh", "dp=16", "--global-batch", str(global_batch), *args])
+        return steptime.predict_step(config, 16, gpus.profile("h100-sxm")).fsdp_exposed
+
+    zero1 = exposed(16, "--dp-mode", "zero1")
+    assert zero1 > 0 and exposed(128, "--dp-mode", "zero1") == pytest.approx(zero1)
+    assert exposed(128) > 4 * exposed(16) > 0

@@ -22,38 +22,51 @@ ACCUMULATE_SHARD_BYTES = 12
 
 
 def fsdp_exposed_seconds(work: Workload, compute: float, hw: Hardware) -> dict[str, float]:
-    """FSDP's collectives of one step: what compute cannot hide (the first all-gather, the last
-    reduce-scatter, and any excess over the compute), plus the slowdown of the compute they overlap;
-    by kind ("dp_all_gather", "dp_reduce_scatter", "dp_replicate_all_reduce"), the shared parts
-    in proportion to each kind's time."""
+    """FSDP's collectives of one step, by kind ("dp_all_gather", "dp_reduce_scatter",
+    "dp_replicate_all_reduce"): what compute cannot hide, and the slowdown of the compute they
+    overlap. The first all-gather and the last reduce-scatter are never hidden. Where units are
+    gathered and reduced once per step (pipelining, --fsdp-reduce-once, ZeRO-1) their all-gathers
+    can hide only behind the step's first forward and their reductions behind its last backward;
+    else behind the forwards and backwards of every micro-batch. An overlapped collective slows the
+    compute beside it by `overlap_slowdown` of the time NVLink would take to move its bytes (its
+    kernels' share of the SMs and of HBM grows with the bytes it moves per second, so a collective
+    over the slower network slows compute less per second of overlap)."""
     p, mesh = work.config.parallel, work.mesh_spec
     totals = work.unit_totals()
     m = work.num_microbatches
     once = mesh.pp > 1 or p.fsdp_reduce_once
     span = mesh.tp * mesh.cp * mesh.dp_shard
-    link = hw.link_gb_s(span) * GIGA
+    link_gb_s = hw.link_gb_s(span)
+    link = link_gb_s * GIGA
     # Units kept gathered are gathered once per micro-batch (once per step where gradients are
     # reduced once); resharded units again for each backward.
     kept_gathers, resharded_gathers, reductions = (1 if once else m), 2 * m, (1 if once else m)
-    gathered = ((kept_gathers * totals.share_kept_bytes + resharded_gathers * totals.share_resharded_bytes) / link
-                + totals.collectives * kept_gathers * hw.collective_latency_s)
-    parts = {"dp_all_gather": gathered,
-             "dp_reduce_scatter": reductions * (4 * totals.share_reduced / link + totals.collectives * hw.collective_latency_s)}
+    forward, backward = compute / 3, 2 * compute / 3
+    # (seconds, what compute it may hide behind, its link's bandwidth per GPU)
+    parts = {
+        "dp_all_gather": ((kept_gathers * totals.share_kept_bytes + resharded_gathers * totals.share_resharded_bytes)
+                          / link + totals.collectives * kept_gathers * hw.collective_latency_s,
+                          forward / m + (compute if totals.share_resharded_bytes else 0.0) if once else compute,
+                          link_gb_s),
+        "dp_reduce_scatter": (reductions * (4 * totals.share_reduced / link + totals.collectives * hw.collective_latency_s),
+                              backward / m if once else backward, link_gb_s),
+    }
     if mesh.dp_replicate > 1:
         # HSDP all-reduces each unit's shards over the replicas as often as the unit reduces.
         replicas = mesh.dp_replicate
         reduced = sum(u.trainable * (1 if work.reduces_once(u) else m) for u in work.all_units())
-        parts["dp_replicate_all_reduce"] = 4 * reduced * 2 * (replicas - 1) / replicas / (
-            hw.link_gb_s(span * replicas) * GIGA)
-    total = sum(parts.values())
-    if total == 0:
+        replica_link = hw.link_gb_s(span * replicas)
+        parts["dp_replicate_all_reduce"] = (4 * reduced * 2 * (replicas - 1) / replicas / (replica_link * GIGA),
+                                            backward / m if once else backward, replica_link)
+    if not sum(seconds for seconds, _, _ in parts.values()):
         return {}
-    first, last = totals.first_gather_bytes / link, 4 * totals.last_reduced / link
-    hidden = min(total - first - last, compute)
-    shared = max(0.0, total - first - last - compute) + hw.overlap_slowdown * hidden
-    exposed = {name: shared * seconds / total for name, seconds in parts.items()}
-    exposed["dp_all_gather"] += first
-    exposed["dp_reduce_scatter"] += last
+    unhidden = {"dp_all_gather": totals.first_gather_bytes / link, "dp_reduce_scatter": 4 * totals.last_reduced / link}
+    exposed, free = {}, compute
+    for name, (seconds, window, link_used) in parts.items():
+        fixed = min(unhidden.get(name, 0.0), seconds)
+        hidden = min(seconds - fixed, window, free)
+        free -= hidden
+        exposed[name] = seconds - hidden + hw.overlap_slowdown * hidden
     return exposed
 
 

@@ -26,10 +26,14 @@ class Hardware:
     # GEMMs lose efficiency as their smaller weight dim shrinks: rate x n / (n + gemm_half_dim).
     gemm_half_dim: float = 80.0
     fp8_gemm_tflops: float = 1398.0      # FP8 e4m3 GEMM 8192^3 (torch._scaled_mm, tensorwise), measured
-    # Bytes moved per element of each FP8 matmul's input and output width and token by dynamic
-    # scaling (amax reads and float8 casts, forward and backward; fitted).
-    fp8_cast_bytes: float = 14.0
-    grouped_gemm_efficiency: float = 0.65  # the experts' grouped GEMM against a dense GEMM of the same size
+    # The experts' grouped GEMM in a whole step against a dense GEMM of the same weight shapes:
+    # rate x efficiency x rows / (rows + half_rows), with `rows` per expert (fewer rows read each
+    # expert's weights for fewer FLOPs). half_rows is fitted on the two torch bf16 grouped_mm rows of
+    # benchmarks/experts.jsonl (mixtral-small: 2,048 rows per expert, 558 TFLOP/s; deepseek-v2-lite:
+    # 768 rows, 430 TFLOP/s); the efficiency on the whole-step mixtral-small rows of
+    # benchmarks/results.jsonl (0.65 of a dense GEMM at their 2,048 rows per expert).
+    grouped_gemm_efficiency: float = 0.78
+    grouped_gemm_half_rows: float = 406.0
     attention_tflops: float = 355.0      # causal cuDNN attention, fwd+bwd, at long sequences
     # Attention over short key ranges runs slower: rate x s / (s + attention_half_seq).
     attention_half_seq: float = 3400.0
@@ -66,6 +70,15 @@ class Hardware:
     @property
     def host_bytes_per_gpu(self) -> float:
         return self.host_memory_gb * GIGA / self.gpus_per_node
+
+    def exchange_seconds(self, nbytes: float, group: int, stride: int) -> float:
+        """An exchange in which each of `group` ranks, `stride` apart, sends `nbytes` spread evenly
+        over the group (itself included, which costs nothing): the share for ranks of its node
+        over NVLink and the rest over the network, at the same time."""
+        in_node = max(1, min(group, self.gpus_per_node // stride))
+        inside = nbytes * (in_node - 1) / group / (self.nvlink_gb_s * GIGA)
+        outside = nbytes * (group - in_node) / group / (self.inter_node_gb_s * GIGA)
+        return max(inside, outside)
 
     def link_gb_s(self, group_span: int) -> float:
         """Bus bandwidth per GPU of a collective over `group_span` consecutive ranks (the group's

@@ -39,6 +39,16 @@ from parallel import pipeline, precision
 # recompute mode: full recompute runs the forward (a third of the matmuls) and its element-wise
 # kernels again; selective keeps the matmuls' outputs and recomputes the element-wise kernels.
 MATMULS_RUN = {"none": 1.0, "selective": 1.0, "full": 4 / 3}
+# Bytes moved per element of an FP8 matmul's input and output widths and per token by its casts,
+# forward and backward. Dynamic scaling (torchao's recipes, TE's current and blockwise) reads each
+# bf16 tensor once for its amax before it casts it: fitted at 14 on the torchao tensorwise rows of
+# benchmarks/results.jsonl (llama-1b and llama-8b) and kept by TE current's and blockwise's
+# llama-1b rows. A recipe whose scale is known when it casts (TE delayed, from the amax history;
+# MXFP8, per 32-element block inside the cast kernel) skips that read of the three tensors each
+# matmul casts (its input, the input again for the weight gradient, the output's gradient), 2 bytes
+# each: 8 (TE delayed's llama-1b and mixtral-small rows agree within 3%).
+FP8_CAST_BYTES = {"tensorwise": 14.0, "rowwise": 14.0, "rowwise_with_gw_hp": 14.0, "current": 14.0,
+                  "blockwise": 14.0, "delayed": 8.0, "mxfp8": 8.0}
 ELEMENTWISE_RUN = {"none": 1.0, "selective": 4 / 3, "full": 1.5}
 
 
@@ -266,7 +276,7 @@ def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> tuple[float, floa
     """The block's matmuls (forward and backward: 6 FLOPs per weight element and row) with the
     weights' shapes on this rank, and the casts of FP8 matmuls' inputs; routed experts see top_k
     rows per token of the tp rank's share."""
-    fp8 = block in work.fp8_blocks
+    fp8, t = block in work.fp8_blocks, work.config.train
     gemm = casts = 0.0
     for shape, is_expert, axes in work.weights_by_kind[work.block_kinds[block]]:
         flops = 6 * math.prod(shape[-2:]) * work.tokens
@@ -274,13 +284,21 @@ def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> tuple[float, floa
         rate = hw.gemm_tflops * smaller / (smaller + hw.gemm_half_dim)
         if is_expert:
             flops = flops / work.mesh_spec.tp * work.model_cfg.top_k
-            rate *= hw.grouped_gemm_efficiency
+            rows = expert_rows(work)
+            rate *= hw.grouped_gemm_efficiency * rows / (rows + hw.grouped_gemm_half_rows)
         elif fp8 and precision.is_fp8_matmul_weight(axes):
             rate = hw.fp8_gemm_tflops * smaller / (smaller + hw.gemm_half_dim)
             # Dynamic scaling reads each input and output gradient for its amax and writes its casts.
-            casts += hw.fp8_cast_bytes * sum(shape[-2:]) * work.tokens / (hw.hbm_tb_s * TERA)
+            casts += FP8_CAST_BYTES[t.fp8] * sum(shape[-2:]) * work.tokens / (hw.hbm_tb_s * TERA)
         gemm += flops / (rate * TERA)
     return gemm, casts
+
+
+def expert_rows(work: Workload) -> float:
+    """Rows each local expert runs per micro-batch under balanced routing: the top_k slots of the
+    tokens of the ep ranks that send to it (each tp rank's share)."""
+    cfg: MoEConfig = work.model_cfg
+    return work.tokens / work.mesh_spec.tp * cfg.top_k * work.mesh_spec.ep / cfg.num_experts
 
 
 def _attention_seconds(work: Workload, hw: Hardware) -> float:
@@ -335,18 +353,19 @@ def _context_parallel_seconds(work: Workload, attention: float, hw: Hardware) ->
 
 def _expert_parallel_seconds(work: Workload, hw: Hardware) -> float:
     """Tokens to their experts and back, forward and backward: top_k rows per token over the
-    all-to-all ((ep-1)/ep of them leave the rank), or ep - 1 whole tokens gathered and
-    reduce-scattered by the all-gather dispatch. The all-to-all also reads its split sizes on
-    the host, which stalls the launch queue."""
+    all-to-all (those for the other ep ranks leave the rank), or ep - 1 whole tokens gathered and
+    reduce-scattered by the all-gather dispatch; the rows for ranks of the same node cross NVLink,
+    the others the network, both at once (`Hardware.exchange_seconds`). The all-to-all also reads
+    its split sizes on the host, which stalls the launch queue."""
     cfg: MoEConfig = work.model_cfg
     mesh = work.mesh_spec
     b = DTYPE_BYTES[work.config.train.precision]
     tokens = work.tokens / mesh.tp
-    link = hw.link_gb_s(mesh.tp * mesh.ep) * GIGA
+    # The ep ranks are dp_shard x cp ranks, tp apart.
     if work.ep_dispatch == "allgather":
-        return 4 * (mesh.ep - 1) * tokens * cfg.dim * b / link + 4 * hw.collective_latency_s
-    moved = 4 * cfg.top_k * tokens * cfg.dim * b * (mesh.ep - 1) / mesh.ep
-    return moved / link + 6 * hw.collective_latency_s + 2 * HOST_SYNC_S
+        return 4 * hw.exchange_seconds(tokens * cfg.dim * b * mesh.ep, mesh.ep, mesh.tp) + 4 * hw.collective_latency_s
+    moved = 4 * cfg.top_k * tokens * cfg.dim * b
+    return hw.exchange_seconds(moved, mesh.ep, mesh.tp) + 6 * hw.collective_latency_s + 2 * HOST_SYNC_S
 
 
 # A host read of device data: the launch queue drains and refills.
@@ -379,7 +398,7 @@ def _head_gemm_seconds(work: Workload, hw: Hardware) -> tuple[float, float]:
     smaller = min(vocab, cfg.dim, _loss_chunk(work) or vocab)
     fp8 = t.fp8 is not None and t.fp8_head
     rate = (hw.fp8_gemm_tflops if fp8 else hw.gemm_tflops) * smaller / (smaller + hw.gemm_half_dim)
-    casts = hw.fp8_cast_bytes * (vocab + cfg.dim) * work.tokens / (hw.hbm_tb_s * TERA) if fp8 else 0.0
+    casts = FP8_CAST_BYTES[t.fp8] * (vocab + cfg.dim) * work.tokens / (hw.hbm_tb_s * TERA) if fp8 else 0.0
     return 6 * work.tokens * vocab * cfg.dim / (rate * TERA), casts
 
 
