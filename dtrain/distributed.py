@@ -5,6 +5,7 @@ collective timeout (long while a run starts, short once steps run) and NCCL's fl
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 from pathlib import Path
@@ -13,6 +14,7 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger("dtrain")
 
@@ -137,6 +139,18 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> Runtime:
     return Runtime(rank, world_size, torch.device("cpu"))
 
 
+def _release_groups() -> None:
+    """Lets the groups die with destroy_process_group, not at interpreter exit. A device mesh holds
+    its process groups, and torch's DTensor caches (sharding propagation, mesh topology) keep the
+    meshes of a finished run; the groups then lived until the interpreter finalized, where a gloo
+    worker releasing its last work takes the GIL of an interpreter being torn down and aborts a run
+    that succeeded ("terminate called without an active exception"). The run's own objects that
+    only cycles keep go first; a mesh resolves its groups by name outside torch.compile."""
+    gc.collect()
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
+        getattr(mesh, "_pg_registry", {}).clear()
+
+
 def shutdown(after_error: bool = False) -> None:
     """Ends the process group. After an error on GPUs it is aborted instead: the other ranks may be
     waiting in a collective that this rank will never join, and destroying the group would wait for
@@ -144,6 +158,7 @@ def shutdown(after_error: bool = False) -> None:
     torchrun stops the others. (gloo's destroy does not wait; its peers see the connection close.)"""
     if not dist.is_initialized():
         return
+    _release_groups()
     if after_error and dist.get_world_size() > 1 and torch.cuda.is_available() and dist.is_nccl_available():
         dist.distributed_c10d._abort_process_group()
         return

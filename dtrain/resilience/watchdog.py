@@ -172,6 +172,10 @@ class Watchdog:
         ending = self.report is not None or self._terminated_at is not None
         if self._thread.is_alive() and not ending and self._thread is not threading.current_thread():
             self._thread.join(timeout=CLOSE_TIMEOUT_S)
+        # The process groups, and the trainer that `terminating` reaches, must not outlive the run
+        # through this object (see distributed.shutdown).
+        self.groups, self.set_collective_timeout = [], lambda seconds, groups: None
+        self.terminating = lambda: False
 
     def adopt_groups(self, groups: list, set_collective_timeout: Callable[[float, list], None]) -> None:
         """The process groups whose collective timeout follows the limit (a background save's
