@@ -120,7 +120,9 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(reference, tmp_path, 
     assert (checkpoints / "step_000006.tmp" / ckpt.COMPLETE).exists() and _latest(tmp_path) == 4
     result = run_cli(args)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "step_000004 at step 4" in result.stdout and "step_000006.tmp" in result.stdout, result.stdout[-2000:]
+    # Step 6 was whole, COMPLETE written: it takes its final name and the run continues from it.
+    assert "interrupted after they were complete: step_000006" in result.stdout, result.stdout[-2000:]
+    assert "step_000006 at step 6" in result.stdout, result.stdout[-2000:]
     assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{s:06d}" for s in (2, 4, 6, 8, 10)]
     assert f"step 10/10 | loss {losses[-1]:.4f}" in result.stdout, result.stdout[-2000:]
 
@@ -238,3 +240,26 @@ def test_resume_flag_takes_an_optional_value():
     assert load_config(["--resume"]).train.resume == ckpt.LATEST
     assert load_config(["--resume", "runs/a/checkpoints/step_000100"]).train.resume == "runs/a/checkpoints/step_000100"
     assert load_config(["--resume", "--steps", "3"]).train.steps == 3
+
+
+def test_a_kill_between_the_commits_two_renames_recovers_the_new_checkpoint(reference, tmp_path):
+    """A resumed run saving a step again renames the old step_N aside (.old), then its complete
+    step_N.tmp into place; killed between the two, both are whole and neither has the final name."""
+    root = tmp_path / ckpt.CHECKPOINTS
+    source = reference[0] / ckpt.CHECKPOINTS
+    shutil.copytree(source / "step_000003", root / "step_000006.old")  # the step 6 it replaces
+    shutil.copytree(source / "step_000006", root / "step_000006.tmp")  # committed, not yet renamed
+    shutil.copytree(source / "step_000003", root / "step_000003")
+    (root / "step_000009.tmp").mkdir()  # a save killed while writing: nothing to recover
+    assert ckpt.recover_commits(root) == ["step_000006"]
+    assert ckpt.remove_incomplete(root) == ["step_000006.old", "step_000009.tmp"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_000003", "step_000006"]
+    meta, _ = ckpt.check_checkpoint(root / "step_000006", get_model_config("tiny"), _tiny_param_shapes())
+    assert meta["step"] == 6
+    # A complete .tmp never replaces a committed checkpoint of its step, and a lone .old (a prune
+    # killed while deleting it) is never brought back.
+    shutil.copytree(source / "step_000009", root / "step_000006.tmp")
+    shutil.copytree(source / "step_000009", root / "step_000009.old")
+    assert ckpt.recover_commits(root) == []
+    assert ckpt.remove_incomplete(root) == ["step_000006.tmp", "step_000009.old"]
+    assert ckpt.read_meta(root / "step_000006")["step"] == 6

@@ -80,6 +80,10 @@ class Checkpointer:
         if self.every:
             self._check_writable()
         if self.is_main and (t.resume or self.every):
+            recovered = ckpt.recover_commits(self.root)
+            if recovered:
+                logger.info("recovered checkpoints whose commit was interrupted after they were complete: %s",
+                            ", ".join(recovered))
             removed = ckpt.remove_incomplete(self.root)
             if removed:
                 logger.info("removed incomplete checkpoints: %s", ", ".join(removed))

@@ -77,6 +77,20 @@ def valid_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def recover_commits(root: Path) -> list[str]:
+    """A commit killed between its two renames (the step's earlier checkpoint moved aside as
+    step_N.old, the new one not yet renamed from step_N.tmp) leaves the new checkpoint whole under
+    its temporary name, COMPLETE written: it takes its final name. Returns the names recovered."""
+    recovered = []
+    for tmp in sorted(root.glob("step_*.tmp")) if root.is_dir() else []:
+        final = tmp.with_suffix("")
+        if _NAME.match(final.name) and (tmp / COMPLETE).is_file() and not final.exists():
+            tmp.rename(final)
+            _sync_dir(root)
+            recovered.append(final.name)
+    return recovered
+
+
 def remove_incomplete(root: Path) -> list[str]:
     """Deletes what interrupted saves left under `root`; returns the names removed."""
     removed = []
