@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from dtrain.checkpoint import integrity, resume
@@ -77,8 +78,6 @@ class Checkpointer:
     def restore(self) -> resume.Resumed:
         """Loads `--resume`'s checkpoint (else `--init-from-hf`'s weights); returns where to start."""
         t = self.config.train
-        if self.every:
-            self._check_writable()
         if self.is_main and (t.resume or self.every):
             recovered = ckpt.recover_commits(self.root)
             if recovered:
@@ -87,6 +86,8 @@ class Checkpointer:
             removed = ckpt.remove_incomplete(self.root)
             if removed:
                 logger.info("removed incomplete checkpoints: %s", ", ".join(removed))
+        if self.every:  # after the leftovers are gone: a failed save's may have filled the disk
+            self._check_writable()
         if t.resume:
             # Rank 0 lists them, so every rank tries the same checkpoints even while files change.
             found = None
@@ -153,8 +154,8 @@ class Checkpointer:
         ckpt.barrier()
         problem = integrity.write_problem(self.root)
         resume.agree(None if problem is None else UserError(
-            f"checkpoint directory {self.root} is not writable: {problem}; choose another --run-dir or make it "
-            f"writable (or turn checkpoints off with --checkpoint-every 0)"))
+            f"checkpoint directory {self.root} is not writable: {problem}; make it writable or free space there, "
+            f"choose another --run-dir, or turn checkpoints off with --checkpoint-every 0"))
 
     def _set_aside(self, path: Path, error: ckpt.CorruptCheckpoint, older: Path | None) -> None:
         """A corrupt checkpoint of this run is renamed out of the way (kept for inspection), so that
@@ -313,9 +314,13 @@ class Checkpointer:
         }
         started = time.perf_counter()
         use_async = self.async_group is not None and not wait
-        written = ckpt.save_train_state(self.model, self.optimizer, tmp, rank=self.rank,
-                                        async_group=self.async_group if use_async else None,
-                                        fp8_state=self.fp8_scaling.state_dict() if self.fp8_scaling else None)
+        try:
+            written = ckpt.save_train_state(self.model, self.optimizer, tmp, rank=self.rank,
+                                            async_group=self.async_group if use_async else None,
+                                            fp8_state=self.fp8_scaling.state_dict() if self.fp8_scaling else None)
+        except (Exception, dcp.api.CheckpointException) as error:  # DCP's is a BaseException
+            self._check_space(step, tmp, error)
+            raise
         if use_async:
             future = self.hasher.submit(lambda: (written.result(), integrity.own_checksums(tmp, self.rank))[1])
         else:
@@ -330,20 +335,57 @@ class Checkpointer:
     def _wait_pending(self) -> None:
         if self.pending is None:
             return
-        self.pending.future.result()  # raises what the background save raised
+        self._written(self.pending)
         # Every rank's shards are written once every rank's future is done.
         ckpt.barrier()
         self._commit_pending()
 
+    def _written(self, p: ckpt.PendingSave) -> dict:
+        """This rank's checksums of a save; raises what the (background) save raised."""
+        try:
+            return p.future.result()
+        except (Exception, dcp.api.CheckpointException) as error:
+            self.pending = None
+            self._check_space(p.step, p.tmp, error)
+            raise
+
     def _commit_pending(self) -> None:
-        """Every rank: its checksums go to rank 0, which lists them in meta.json and commits."""
-        p, self.pending = self.pending, None
-        own = p.future.result()
+        """Every rank: its checksums go to rank 0, which lists them in meta.json and commits; every
+        rank learns whether the commit failed (a full disk), so that all of them stop alike."""
+        p = self.pending
+        own = self._written(p)
+        self.pending = None
         gathered = [own]
         if dist.is_initialized() and self.world_size > 1:
             gathered = [None] * self.world_size if self.is_main else None
             dist.gather_object(own, gathered, dst=0)
+        problem = None
         if self.is_main:
-            ckpt.commit(p.tmp, p.final, {**p.meta, "files": integrity.manifest(p.tmp, gathered)})
-            ckpt.prune(self.root, self.keep_last)
+            try:
+                ckpt.commit(p.tmp, p.final, {**p.meta, "files": integrity.manifest(p.tmp, gathered)})
+                ckpt.prune(self.root, self.keep_last)
+            except OSError as error:
+                problem = self._space_problem(p.step, p.tmp, error) or (
+                    f"committing the checkpoint of step {p.step} failed: {type(error).__name__}: {error}")
+        problem = ckpt.broadcast_from_main(problem)
+        if problem is not None:
+            raise UserError(problem)
+        if self.is_main:
             logger.info("saved checkpoint %s in %s", p.final, ckpt.elapsed(p.started))
+
+    def _check_space(self, step: int, tmp: Path, error: BaseException) -> None:
+        """A save that failed for want of space becomes one line, with the failed save removed (its
+        space lets the failure be recorded, and a restart finds no leftover); others pass through."""
+        problem = self._space_problem(step, tmp, error)
+        if problem is not None:
+            raise UserError(problem) from None
+
+    def _space_problem(self, step: int, tmp: Path, error: BaseException) -> str | None:
+        if not integrity.out_of_space(self.root, error):
+            return None
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        found = ckpt.valid_checkpoints(self.root)
+        kept = f"{found[-1][1].name} stays the latest" if found else "there is no earlier checkpoint"
+        return (f"the checkpoint of step {step} could not be written: no space is left on the device of {self.root}; "
+                f"{kept}: free space there (or keep fewer with --keep-last), then continue with --resume")

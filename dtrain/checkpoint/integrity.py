@@ -8,6 +8,8 @@ the files in parallel, each its share, before any of them is unpickled or loaded
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
 import os
 import re
@@ -21,6 +23,8 @@ from torch.distributed.tensor import DTensor
 from dtrain.checkpoint.reader import inside
 
 CHUNK_BYTES = 16 << 20
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+LOW_SPACE_BYTES = 16 << 20  # a device with less free than this after a failed save: it is full
 # Written by the commit after the checksums are gathered: not part of the manifest.
 UNLISTED = ("meta.json", "COMPLETE")
 # DCP's FileSystemWriter names each rank's shard files __RANK_N.distcp (RANK in the save's group).
@@ -120,7 +124,36 @@ def write_problem(directory: Path) -> str | None:
             os.write(fd, b"dtrain")
         finally:
             os.close(fd)
-        probe.unlink()
     except OSError as error:
+        if error.errno in NO_SPACE:
+            return f"no space is left on its device ({socket.gethostname()})"
         return f"{error.strerror or type(error).__name__} ({socket.gethostname()})"
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()  # created even where its write then failed (a full disk)
     return None
+
+
+def free_bytes(directory: Path) -> float:
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return math.inf
+    return stats.f_bavail * stats.f_frsize
+
+
+def out_of_space(directory: Path, error: BaseException) -> bool:
+    """Whether a failed save ran out of space: ENOSPC or EDQUOT anywhere in the error (DCP gathers
+    every rank's failure into one), or the device nearly full now (torch.save reports a short
+    write as "unexpected pos", with no errno)."""
+    seen, pending = set(), [error]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in NO_SPACE:
+            return True
+        pending += [e.__cause__, e.__context__]
+        pending += [f[0] if isinstance(f, tuple) else f for f in (getattr(e, "failures", None) or {}).values()]
+    return free_bytes(directory) < LOW_SPACE_BYTES
