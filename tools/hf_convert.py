@@ -109,14 +109,38 @@ def _model_config(shape: dict[str, Any]) -> LlamaConfig | MoEConfig | DeepSeekCo
                         f"model; it cannot be exported") from None
 
 
-def _find_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], LlamaConfig | MoEConfig]:
-    candidates = ckpt.checkpoints_at(Path(path))[0] if Path(path).is_dir() else []
+def _find_checkpoint(path: str | Path) -> tuple[Path, bool]:
+    """The newest checkpoint `path` names, and whether `path` is that checkpoint itself."""
+    candidates, named = ckpt.checkpoints_at(Path(path)) if Path(path).is_dir() else ([], False)
     if not candidates:
         raise UserError(f"{path} is neither a dtrain checkpoint (a step_NNNNNN directory with a {ckpt.COMPLETE} "
                         f"file) nor a run directory that holds one; pass one of those")
-    found = candidates[0]
-    meta = ckpt.read_meta(found)
-    return found, meta, _model_config(meta["model"])
+    return candidates[0], named
+
+
+def _read_newest(path: str | Path, before_load=lambda cfg, meta: None):
+    """(checkpoint, model config, parameters, meta) of the newest checkpoint `path` names. A run
+    that writes there with --keep-last prunes its older checkpoints as it commits newer ones: one
+    that vanishes while it is read is read again as the then newest (a named one is an error)."""
+    for _ in range(ckpt.MAX_REREADS):
+        found, named = _find_checkpoint(path)
+        try:
+            meta = ckpt.read_meta(found)
+            cfg = _model_config(meta["model"])
+            before_load(cfg, meta)
+            params, meta = _load_params(found, cfg)
+            return found, cfg, params, meta
+        except (UserError, OSError, dcp.api.CheckpointException) as error:
+            if found.exists():
+                if isinstance(error, UserError):
+                    raise
+                first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+                raise UserError(f"checkpoint {found} could not be read ({first})") from None
+            if named:
+                raise UserError(f"checkpoint {found} was deleted while it was read (a run writing there with "
+                                f"--keep-last pruned it); pass its run directory to take the newest") from None
+    raise UserError(f"{path}: its newest checkpoint was pruned {ckpt.MAX_REREADS} times while it was read; export "
+                    f"it once the run that writes there has stopped")
 
 
 def _load_params(found: Path, cfg: LlamaConfig | MoEConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -133,8 +157,7 @@ def _load_params(found: Path, cfg: LlamaConfig | MoEConfig) -> tuple[dict[str, t
 def read_dtrain_params(path: str | Path) -> tuple[LlamaConfig | MoEConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """Full parameter tensors of a dtrain checkpoint (or of the latest one of a run directory),
     read in this one process whatever mesh wrote them."""
-    found, _, cfg = _find_checkpoint(path)
-    params, meta = _load_params(found, cfg)
+    _, cfg, params, meta = _read_newest(path)
     return cfg, params, meta
 
 
@@ -143,9 +166,9 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: torch.dtype | None =
     """Writes a dtrain checkpoint as an HF checkpoint; by default in the dtype it was imported
     from (fp32 for a model trained from scratch)."""
     hf.check_export_target(Path(out_dir))  # before the checkpoint is read: refused at once
-    found, meta, cfg = _find_checkpoint(path)
-    hf.config_to_hf(cfg, torch.float32, meta.get("hf_config"))  # a model HF has no equivalent of fails before the read
-    params, meta = _load_params(found, cfg)
+    # A model HF has no equivalent of fails before the read.
+    _, cfg, params, meta = _read_newest(path, lambda cfg, meta: hf.config_to_hf(cfg, torch.float32,
+                                                                                meta.get("hf_config")))
     if dtype is None:
         dtype = DTYPES.get({"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
             meta.get("hf_dtype", "float32"), "fp32"))

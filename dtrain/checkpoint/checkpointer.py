@@ -89,32 +89,59 @@ class Checkpointer:
         if self.every:  # after the leftovers are gone: a failed save's may have filled the disk
             self._check_writable()
         if t.resume:
-            # Rank 0 lists them, so every rank tries the same checkpoints even while files change.
-            found = None
-            if self.is_main:
-                try:
-                    found = ckpt.resume_candidates(t.resume, self.run_dir)
-                except UserError as error:
-                    found = str(error)
-            found = ckpt.broadcast_from_main(found)
-            if isinstance(found, str):
-                raise UserError(found)  # on every rank, not on rank 0 alone
-            candidates, explicit = found
-            for index, path in enumerate(candidates):
-                try:
-                    return self._load(path)
-                except ckpt.CorruptCheckpoint as error:
-                    if explicit:
-                        raise
-                    self._set_aside(path, error, candidates[index + 1] if index + 1 < len(candidates) else None)
-            if t.resume in (ckpt.LATEST, ckpt.AUTO):
-                self._start_without_checkpoint(candidates)
-            elif candidates:
-                raise ckpt.CorruptCheckpoint(f"--resume {t.resume}: every checkpoint ({len(candidates)}) is corrupt "
-                                             f"(see the log); restore them from a copy, or start without --resume")
+            resumed = self._resume()
+            if resumed is not None:
+                return resumed
         if t.init_from_hf:
             self._load_hf(t.init_from_hf)
         return resume.Resumed()
+
+    def _candidates(self) -> tuple[list[Path], bool]:
+        """Rank 0 lists them, so every rank tries the same checkpoints even while files change."""
+        found = None
+        if self.is_main:
+            try:
+                found = ckpt.resume_candidates(self.config.train.resume, self.run_dir)
+            except UserError as error:
+                found = str(error)
+        found = ckpt.broadcast_from_main(found)
+        if isinstance(found, str):
+            raise UserError(found)  # on every rank, not on rank 0 alone
+        return found
+
+    def _resume(self) -> resume.Resumed | None:
+        """--resume's checkpoint, the newest that loads (None: none, start at step 0). A corrupt one
+        of this run is set aside and the one before it tried; one that vanished while it was read
+        (pruned by a run that writes there with --keep-last) was not corrupt: the newest again."""
+        t = self.config.train
+        candidates, explicit = self._candidates()
+        tried, index, relisted = [], 0, 0
+        while index < len(candidates):
+            path = candidates[index]
+            try:
+                return self._load(path)
+            except UserError as error:
+                if ckpt.broadcast_from_main(self.is_main and not path.exists()):
+                    if explicit:
+                        raise UserError(f"--resume {t.resume}: checkpoint {path} was deleted while it was read (a "
+                                        f"run writing there with --keep-last pruned it); pass its run directory to "
+                                        f"take the newest") from None
+                    if relisted < ckpt.MAX_REREADS:
+                        relisted += 1
+                        logger.info("%s was pruned while it was read; taking the newest checkpoint again", path)
+                        candidates, index = self._candidates()[0], 0
+                        continue
+                if explicit or not isinstance(error, ckpt.CorruptCheckpoint):
+                    raise
+                tried.append(path)
+                self._set_aside(path, error, candidates[index + 1] if index + 1 < len(candidates) else None)
+                index += 1
+        if t.resume in (ckpt.LATEST, ckpt.AUTO):
+            self._start_without_checkpoint(tried)
+        elif candidates:
+            raise ckpt.CorruptCheckpoint(f"--resume {t.resume}: every checkpoint ({len(candidates)}) is corrupt "
+                                         f"(see the log); restore them from a copy, or start without --resume")
+        return None
 
     def _start_without_checkpoint(self, tried: list[Path]) -> None:
         """`--resume latest|auto` found no valid checkpoint in the run directory (`tried`: those

@@ -51,6 +51,7 @@ COMPLETE = "COMPLETE"
 META = "meta.json"
 LATEST = "latest"  # the value of a bare --resume: the latest checkpoint of --run-dir, which must exist
 AUTO = "auto"  # --resume auto: the latest checkpoint of --run-dir if it ever had one, else step 0
+MAX_REREADS = 5  # times a reader takes the newest checkpoint again after the one it read was pruned
 CORRUPT = ".corrupt"  # the suffix of a checkpoint a resume found corrupt and set aside
 FP8 = "fp8"  # the state dict entry of FP8 delayed scaling's state
 _NAME = re.compile(r"^step_(\d+)$")
