@@ -231,3 +231,23 @@ def test_preprocess_skips_a_byte_order_mark(tmp_path):
     preprocess(str(tmp_path / "bom.jsonl"), str(tmp_path / "out"), tokenizer=TOKENIZER, log=io.StringIO())
     tokenizer = Tokenizer.from_file(TOKENIZER)
     assert IndexedDataset(str(tmp_path / "out")).sequence(0).tolist() == tokenizer.encode("with a BOM").ids
+
+
+def test_an_output_prefix_that_is_a_directory_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", TEXTS[:3])
+    (tmp_path / "out").mkdir()
+    for prefix in (str(tmp_path / "out"), str(tmp_path / "out") + "/", str(tmp_path / "new") + "/"):
+        with pytest.raises(UserError, match=r"--output-prefix .* names a directory; pass a prefix inside it, such "
+                                            r"as .*/corpus") as caught:
+            preprocess(path, prefix, tokenizer=TOKENIZER, log=io.StringIO())
+        one_line(caught)
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl", "out"] and not os.listdir(tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["docs.jsonl", "docs.json"])
+def test_json_lines_as_data_are_refused_with_the_preprocessing_command(tmp_path, name):
+    path = write_jsonl(tmp_path / name, TEXTS)
+    with pytest.raises(UserError, match=rf"--data {path!r} is JSON: tokenize it first with python -m "
+                                        rf"tools.preprocess_data --input {path} --output-prefix ") as caught:
+        dataset(path, tmp_path)
+    one_line(caught)

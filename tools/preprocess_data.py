@@ -180,6 +180,10 @@ def preprocess(input_path: str, output_prefix: str, tokenizer: str | None = None
         raise UserError(f"--input {input_path!r} is not an existing file: pass a JSON-lines or .txt file")
     if workers < 1:
         raise UserError(f"--workers {workers} must be >= 1")
+    if output_prefix.endswith(("/", os.sep)) or os.path.isdir(output_prefix):
+        # The files would be the hidden DIR/.bin and DIR/.idx.
+        raise UserError(f"--output-prefix {output_prefix} names a directory; pass a prefix inside it, such as "
+                        f"{os.path.join(output_prefix, 'corpus')}")
     parent_tokenizer = load_tokenizer(tokenizer, vocab_file, merge_file)
     dtype = token_dtype(parent_tokenizer.get_vocab_size(with_added_tokens=True))
     options = dict(tokenizer=tokenizer, vocab_file=vocab_file, merge_file=merge_file, json_key=json_key,

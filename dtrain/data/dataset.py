@@ -38,6 +38,11 @@ def data_kind(data: str) -> str:
         return data
     if data.endswith((".bin", ".idx")) or is_indexed_prefix(data):
         return INDEXED
+    if os.path.isfile(data) and data.endswith((".jsonl", ".json")):
+        # Read as text it would train on the JSON's quotes and keys.
+        prefix = data.rsplit(".", 1)[0]
+        raise UserError(f"--data {data!r} is JSON: tokenize it first with python -m tools.preprocess_data --input "
+                        f"{data} --output-prefix {prefix}, then pass --data {prefix}")
     if os.path.isfile(data):
         return TEXT
     if len(data.split()) > 1:
