@@ -161,6 +161,19 @@ def test_export_refuses_a_directory_it_did_not_write(two_checkpoints, hf_dir, tm
     assert _tree(out) == before
 
 
+def test_a_target_under_a_file_and_a_shard_size_that_is_no_size_are_one_line(hf_dir, two_checkpoints, tmp_path,
+                                                                            capsys):
+    (a, _), _ = two_checkpoints
+    (tmp_path / "a file").write_text("keep me")
+    under = str(tmp_path / "a file" / "out")
+    _refused(["import", str(hf_dir), under], capsys, "cannot write beside", "pass a path in a directory you can write")
+    _refused(["export", str(a), under], capsys, "cannot write beside")
+    for size in ("nan", "0", "-1"):
+        _refused(["export", str(a), str(tmp_path / "out"), "--max-shard-gb", size], capsys,
+                 f"--max-shard-gb {float(size)} must be a positive number of GB")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a file"]
+
+
 # ---- the HF directory's own files --------------------------------------------------------------
 
 @pytest.mark.parametrize("where", ["parent", "absolute"])

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -55,9 +55,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     source = hf.HFCheckpoint(hf_dir)
     out = Path(out_dir)
     _check_import_target(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     # A name of its own beside the target: nothing of the user's can be mistaken for a leftover.
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".import"))
+    tmp = hf.new_directory_beside(out, ".import")
     try:
         state = {"model": {name: source.tensor(name).float() for name in source.shapes}}
         # Remembered so that `export` writes the source's dtype back by default (a lossless round trip).
@@ -190,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument("--max-shard-gb", type=float, default=5.0, help="split the safetensors above this size")
     args = parser.parse_args(argv)
     try:
+        if args.command == "export" and not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
+            raise UserError(f"--max-shard-gb {args.max_shard_gb} must be a positive number of GB")
         if args.command == "import":
             out = import_hf(args.hf_dir, args.out)
         else:

@@ -245,8 +245,7 @@ def save_hf(params: dict[str, torch.Tensor], cfg: LlamaConfig | MoEConfig, out_d
     layout = family.export_layout_of(base_config)
     out = Path(out_dir)
     check_export_target(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".export"))
+    tmp = new_directory_beside(out, ".export")
     try:
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
@@ -292,6 +291,16 @@ def check_export_target(out: Path) -> None:
         listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise UserError(f"{out} holds files that no export of dtrain wrote ({listed}); pass a new directory "
                         f"(an export replaces only an earlier export of its own)")
+
+
+def new_directory_beside(out: Path, suffix: str) -> Path:
+    """An empty directory of a name no one else uses, beside `out` (its parents made as needed)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=suffix))
+    except OSError as error:
+        raise UserError(f"cannot write beside {out} ({error.strerror}: {error.filename}); pass a path in a directory "
+                        f"you can write") from None
 
 
 def _written_by_export(path: Path) -> bool:
