@@ -102,14 +102,15 @@ def _in_memory(text_path: str, tokenizer_path: str, key: str) -> TextTokens:
     """`key` (the files' identity) makes an edited file a new entry of the cache."""
     tokenizer = load_tokenizer(tokenizer_path)
     dtype = token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
-    ids = np.concatenate(list(_token_pieces(text_path, tokenizer, dtype)))
+    ids = np.concatenate([np.zeros(0, dtype), *_token_pieces(text_path, tokenizer, dtype)])
     return _described(ids, tokenizer)
 
 
 def _described(ids: np.ndarray, tokenizer: Tokenizer) -> TextTokens:
     end_of_text = tokenizer.token_to_id(END_OF_TEXT)
     documents = int(np.count_nonzero(ids == end_of_text)) if end_of_text is not None else 1
-    return TextTokens(ids, tokenizer.get_vocab_size(with_added_tokens=True), end_of_text, int(ids.max()), documents)
+    return TextTokens(ids, tokenizer.get_vocab_size(with_added_tokens=True), end_of_text,
+                      int(ids.max()) if len(ids) else 0, documents)
 
 
 def _token_pieces(text_path: str, tokenizer: Tokenizer, dtype: np.dtype) -> Iterator[np.ndarray]:
@@ -175,7 +176,7 @@ def _first_bad_byte(path: str) -> int:
 def _build_once(cache_dir: Path, name: str, key: dict, text_path: str, tokenizer_path: str) -> TextTokens:
     """The cache `name`, built here if no other process builds it; else waited for."""
     lock, failed = cache_dir / f"{name}.lock", cache_dir / f"{name}.failed"
-    waiting_since = None
+    told = False
     while True:
         found = _cached(cache_dir, name, key)
         if found is not None:
@@ -187,10 +188,12 @@ def _build_once(cache_dir: Path, name: str, key: dict, text_path: str, tokenizer
             descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             if _stale(lock):
+                # Two processes that both find it stale may both build: a second build, never a
+                # wrong cache, as each file is renamed into place whole.
                 _remove(lock)
                 continue
-            if waiting_since is None:
-                waiting_since = time.monotonic()
+            if not told:
+                told = True
                 logger.info("waiting for %s, which tokenizes %s into %s", _holder(lock), text_path, cache_dir)
             time.sleep(0.2)
             continue
@@ -248,8 +251,7 @@ def _cached(cache_dir: Path, name: str, key: dict) -> TextTokens | None:
         return TextTokens(ids, int(description["vocab_size"]), description["end_of_text"],
                           int(description["max_id"]), int(description["documents"]))
     except (OSError, ValueError, KeyError, TypeError) as error:
-        logger.warning("the data cache %s does not match its description (%s); rebuilding it", cache_dir / name,
-                       str(error).split(":")[0] if isinstance(error, UserError) else error)
+        logger.warning("the data cache %s does not match its description (%s); rebuilding it", cache_dir / name, error)
         _remove(cache_dir / f"{name}.json")
         return None
 
