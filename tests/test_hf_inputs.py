@@ -101,6 +101,25 @@ def test_import_writes_into_an_empty_directory_and_leaves_a_neighbour_alone(hf_d
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000", "step_000000.tmp"]
 
 
+def test_a_commit_replaces_only_a_checkpoint(tmp_path):
+    """The cause: a commit renamed whatever stood at the final path aside and deleted it."""
+    from dtrain.checkpoint import storage
+
+    meta = {"format": storage.FORMAT_VERSION, "step": 0}
+    final = tmp_path / "target"
+    final.mkdir()
+    (final / "notes.txt").write_text("keep me")
+    tmp = tmp_path / "new"
+    tmp.mkdir()
+    (tmp / "weights").write_bytes(b"w")
+    with pytest.raises(UserError, match="exists and is not a checkpoint; it is left as it is"):
+        storage.commit(tmp, final, meta)
+    assert _tree(final) == {"notes.txt": b"keep me"}
+    (final / "notes.txt").unlink()  # an empty directory gives way
+    storage.commit(tmp, final, meta)
+    assert (final / storage.COMPLETE).is_file() and (final / "weights").read_bytes() == b"w"
+
+
 # ---- export: the target ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

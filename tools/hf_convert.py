@@ -7,9 +7,10 @@
 step, so nothing is lost): `--resume` from it on any mesh, and each rank reads only its shards,
 which `--init-from-hf` (every rank reads every full tensor) cannot do for the largest models.
 `export` writes safetensors (sharded above --max-shard-gb, with an index) and config.json; Mixtral
-experts in the hub's layout, one tensor per expert. Neither replaces what it did not write: `import`
-needs a new (or empty) directory, and `export` replaces only an earlier export of its own, whole. A round trip HF -> dtrain -> HF with the
+experts in the hub's layout, one tensor per expert. A round trip HF -> dtrain -> HF with the
 source's dtype gives the same tensors bit for bit (DeepSeek-V3: in DeepSeek's layout, MTP module included).
+Neither replaces what it did not write: `import` needs a new (or empty) directory, and `export`
+replaces only an earlier export of its own, whole.
 """
 
 from __future__ import annotations
