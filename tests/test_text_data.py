@@ -120,17 +120,17 @@ def test_the_dataset_says_what_it_holds(tmp_path, indexed_corpus):
 
 
 def test_concurrent_processes_tokenize_once(tmp_path):
-    path, cache = text_file(tmp_path, CORPUS), tmp_path / "cache"
+    path, cache = text_file(tmp_path, CORPUS[:500_000]), tmp_path / "cache"
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    children = [context.Process(target=_open_in_child, args=(str(path), str(cache), queue)) for _ in range(3)]
+    children = [context.Process(target=_open_in_child, args=(str(path), str(cache), queue)) for _ in range(2)]
     for child in children:
         child.start()
     results = [queue.get(timeout=240) for _ in children]
     for child in children:
         child.join(timeout=60)
         assert child.exitcode == 0
-    assert sorted(r["built"] for r in results) == [0, 0, 1], results
+    assert sorted(r["built"] for r in results) == [0, 1], results
     assert not [name for name in cache_entries(cache) if name.endswith((".lock", ".tmp"))]
 
 
