@@ -73,6 +73,9 @@ class LlamaConfig:
     layer_pattern: str = ""
     # Tokens per chunk of "chunk" layers: a query sees the keys of its own chunk of absolute positions.
     attention_chunk: int | None = None
+    # Qwen3's qk-norm: each head's query and key RMS-normed over head_dim, before RoPE, with a
+    # learned [head_dim] weight that all heads share (one for queries, one for keys).
+    qk_norm: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check_shape(self, ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size"))
@@ -207,6 +210,7 @@ class MoEConfig:
     explicit_head_dim: int | None = attrs.field(default=None, alias="head_dim")
     layer_pattern: str = ""
     attention_chunk: int | None = None
+    qk_norm: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check_shape(self, ("dim", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
@@ -325,6 +329,8 @@ class DeepSeekConfig(MoEConfig):
         if self.explicit_head_dim is not None:
             raise UserError(f"head_dim={self.explicit_head_dim}: MLA's heads are qk_nope_head_dim + qk_rope_head_dim "
                             f"wide (values v_head_dim); set those instead")
+        if self.qk_norm:
+            raise UserError("qk_norm=true: MLA normalises its latents, not its heads; leave qk_norm false")
         if "nope" in self.layer_kinds:
             raise UserError(f"layer_pattern={self.layer_pattern!r} has NoPE layers, but MLA's keys carry RoPE; "
                             f"use full, window or chunk layers")

@@ -69,10 +69,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                     num_heads: int, num_kv_heads: int, ctx: ModelContext,
-                    mask: AttentionMask | None = None) -> torch.Tensor:
-    """Grouped-query self-attention: projections, RoPE (none where `rope` is None: NoPE layers),
-    causal attention (limited to the keys `mask` keeps: within documents, a window, a chunk),
-    output projection."""
+                    mask: AttentionMask | None = None, *, norm_eps: float = 1e-6) -> torch.Tensor:
+    """Grouped-query self-attention: projections, qk-norm where `p` has its weights (`q_norm`,
+    `k_norm`: RMSNorm over head_dim with eps `norm_eps`), RoPE (none where `rope` is None: NoPE
+    layers), causal attention (limited to the keys `mask` keeps: within documents, a window, a
+    chunk), output projection."""
     batch, seq, _ = x.shape
     head_dim = p["wq"].shape[0] // num_heads
     q, k, v = ctx.linear_many(x, [p["wq"], p["wk"], p["wv"]])
@@ -82,6 +83,8 @@ def attention_block(p: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Te
     q = ctx.constrain(q, ("batch", "seq", "heads", "head_dim"), "attention")
     k = ctx.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), "attention")
     v = ctx.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), "attention")
+    if "q_norm" in p:
+        q, k = rms_norm(q, p["q_norm"], norm_eps), rms_norm(k, p["k_norm"], norm_eps)
     if rope is not None:
         cos, sin = (ctx.constrain(t, ("batch", "seq", "head_dim")[-t.ndim:], "attention") for t in rope)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -55,7 +55,8 @@ def embed_forward(p: dict, tokens: torch.Tensor, aux: Aux, ctx: ModelContext) ->
 def block_forward(p: dict, x: torch.Tensor, aux: Aux, ctx: ModelContext, *, cfg: LlamaConfig,
                   kind: str = "full") -> torch.Tensor:
     h = ctx.constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), RESIDUAL, "block_input")
-    attn = attention_block(p["attn"], h, aux.rope_of(kind), cfg.num_heads, cfg.num_kv_heads, ctx, aux.mask(kind))
+    attn = attention_block(p["attn"], h, aux.rope_of(kind), cfg.num_heads, cfg.num_kv_heads, ctx, aux.mask(kind),
+                           norm_eps=cfg.norm_eps)
     x = x + ctx.constrain(attn, RESIDUAL, "residual")
     h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
     return x + ctx.constrain(swiglu_block(p["mlp"], h, ctx), RESIDUAL, "residual")
@@ -75,12 +76,15 @@ def init_stds(cfg) -> tuple[float, float]:
 
 def attention_params(cfg, std: float, out_std: float) -> dict[str, spec.ParamSpec]:
     hd, d = cfg.head_dim, cfg.dim
-    return {
+    params = {
         "wq": spec.normal((cfg.num_heads * hd, d), ("heads", "embed"), std),
         "wk": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
         "wv": spec.normal((cfg.num_kv_heads * hd, d), ("kv_heads", "embed"), std),
         "wo": spec.normal((d, cfg.num_heads * hd), ("embed", "heads"), out_std),
     }
+    if cfg.qk_norm:
+        params.update(q_norm=spec.ones((hd,), ("head_dim",)), k_norm=spec.ones((hd,), ("head_dim",)))
+    return params
 
 
 def swiglu_params(width: int, dim: int, std: float, out_std: float) -> dict[str, spec.ParamSpec]:

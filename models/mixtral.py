@@ -39,7 +39,8 @@ def block_forward(p: dict, x: torch.Tensor, aux: Any, ctx: ModelContext, *, cfg:
                   index: int) -> torch.Tensor:
     h = ctx.constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), RESIDUAL, "block_input")
     kind = layer_kind(cfg, index)
-    attn = attention_block(p["attn"], h, aux.rope_of(kind), cfg.num_heads, cfg.num_kv_heads, ctx, aux.mask(kind))
+    attn = attention_block(p["attn"], h, aux.rope_of(kind), cfg.num_heads, cfg.num_kv_heads, ctx, aux.mask(kind),
+                           norm_eps=cfg.norm_eps)
     x = x + ctx.constrain(attn, RESIDUAL, "residual")
     h = ctx.constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), RESIDUAL, "block_input")
     return x + ctx.constrain(feed_forward(p, h, aux, ctx, cfg=cfg, index=index), RESIDUAL, "residual")

@@ -101,6 +101,44 @@ PRESETS: dict[str, LlamaConfig | MoEConfig] = {
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         mtp_depth=1, rope_scaling=YarnScaling(factor=40.0, original_max_seq_len=4096, mscale=1.0, mscale_all_dim=1.0),
     ),
+    # Qwen3: Llama's decoder with qk-norm and 128-wide heads in every size (the queries of 0.6B and
+    # 32B are wider than dim). CPU tests: the tiny shapes keep queries wider than dim; the
+    # vocabulary matches the bundled tokenizer.
+    "tiny-qwen3": LlamaConfig(
+        dim=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=192, vocab_size=2048, head_dim=32,
+        qk_norm=True, rope_theta=1e6, norm_eps=1e-6,
+    ),
+    "qwen3-0.6b": LlamaConfig(
+        dim=1024, num_layers=28, num_heads=16, num_kv_heads=8, ffn_dim=3072, vocab_size=151936, head_dim=128,
+        qk_norm=True, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True,
+    ),
+    "qwen3-8b": LlamaConfig(
+        dim=4096, num_layers=36, num_heads=32, num_kv_heads=8, ffn_dim=12288, vocab_size=151936, head_dim=128,
+        qk_norm=True, rope_theta=1e6, norm_eps=1e-6,
+    ),
+    "qwen3-32b": LlamaConfig(
+        dim=5120, num_layers=64, num_heads=64, num_kv_heads=8, ffn_dim=25600, vocab_size=151936, head_dim=128,
+        qk_norm=True, rope_theta=1e6, norm_eps=1e-6,
+    ),
+    # Qwen3-MoE: softmax over 128 experts, top-8 renormalised (norm_topk_prob), no shared expert;
+    # dense_ffn_dim is the checkpoints' intermediate_size, the width of any mlp_only_layers. The
+    # balancing coefficient is the published 0.001 per pooled loss, as one per layer: x top_k / layers.
+    # The tiny one keeps a dense first block (mlp_only_layers=[0]), so that tests cover both kinds.
+    "tiny-qwen3-moe": MoEConfig(
+        dim=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=2048, head_dim=32, qk_norm=True,
+        num_experts=8, top_k=2, expert_ffn_dim=32, dense_ffn_dim=128, dense_layers=(0,), aux_loss_coef=0.001 * 2 / 4,
+        rope_theta=1e6, norm_eps=1e-6,
+    ),
+    "qwen3-30b-a3b": MoEConfig(
+        dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, vocab_size=151936, head_dim=128, qk_norm=True,
+        num_experts=128, top_k=8, expert_ffn_dim=768, dense_ffn_dim=6144, aux_loss_coef=0.001 * 8 / 48,
+        rope_theta=1e6, norm_eps=1e-6,
+    ),
+    "qwen3-235b-a22b": MoEConfig(
+        dim=4096, num_layers=94, num_heads=64, num_kv_heads=4, vocab_size=151936, head_dim=128, qk_norm=True,
+        num_experts=128, top_k=8, expert_ffn_dim=1536, dense_ffn_dim=12288, aux_loss_coef=0.001 * 8 / 94,
+        rope_theta=1e6, norm_eps=1e-6,
+    ),
 }
 
 # Field types the command line can set, and how to read each from text.

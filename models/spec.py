@@ -17,7 +17,8 @@ import attrs
 import torch
 
 # The logical axes that parameters and activations may name. The sharding plan maps them to mesh axes.
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp", "expert", "expert_mlp", "router", "latent")
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp", "expert", "expert_mlp", "router", "latent",
+              "head_dim")
 ACTIVATION_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "mlp", "vocab", "head_dim")
 
 

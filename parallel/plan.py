@@ -36,6 +36,9 @@ DEFAULT_PARAM_RULES: dict[str, MeshAxes] = {
     "expert": "ep", "expert_mlp": None, "router": None,
     # MLA's latent projections and norms: small, and needed whole by every head.
     "latent": None,
+    # A vector over one head's dims that every head shares (qk-norm's weights): whole on every tp
+    # rank, whose heads each give a partial gradient that DTensor sums over tp.
+    "head_dim": None,
 }
 
 # Activation layouts per region of the forward. Axes not named stay unsplit (over tp and cp);

@@ -139,6 +139,11 @@ class HFFamily:
     def config_from_hf(self, hf: dict[str, Any], source: str) -> LlamaConfig | MoEConfig:
         raise NotImplementedError
 
+    def describes(self, cfg) -> bool:
+        """Whether `cfg` is a model of this family (exactly its config class; families that share
+        one class tell their models apart by a field, such as Qwen3's qk_norm)."""
+        return type(cfg) is self.config_cls
+
     def config_to_hf(self, cfg, dtype: torch.dtype, base: dict[str, Any] | None) -> dict[str, Any]:
         """HF's config.json for `cfg`; a UserError where HF has no equivalent."""
         raise NotImplementedError

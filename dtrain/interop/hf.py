@@ -46,9 +46,17 @@ def hf_families() -> dict[str, HFFamily]:
     return found
 
 
-def family_of_config(cfg: LlamaConfig | MoEConfig) -> HFFamily:
-    """The family whose config class `cfg` is (exactly: an MoE config is not a Llama one here)."""
-    return next(f for f in hf_families().values() if type(cfg) is f.config_cls)
+def family_of_config(cfg: LlamaConfig | MoEConfig) -> HFFamily | None:
+    """The family that describes `cfg` (`HFFamily.describes`), or None where no HF family does."""
+    return next((f for f in hf_families().values() if f.describes(cfg)), None)
+
+
+def _family_to_export(cfg: LlamaConfig | MoEConfig) -> HFFamily:
+    family = family_of_config(cfg)
+    if family is None:
+        raise UserError(f"dtrain exports {', '.join(f.title for f in hf_families().values())} models; this "
+                        f"{type(cfg).__name__} is none of them, so it has no Hugging Face equivalent")
+    return family
 
 
 def _family_of_hf(hf: dict[str, Any], source: str) -> HFFamily:
@@ -78,14 +86,14 @@ def config_from_hf(hf: dict[str, Any], source: str) -> LlamaConfig | MoEConfig:
 
 def config_to_hf(cfg: LlamaConfig | MoEConfig, dtype: torch.dtype, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """HF's config.json for `cfg` (a UserError when HF has no equivalent); `base` keeps its other keys."""
-    return family_of_config(cfg).config_to_hf(cfg, dtype, base)
+    return _family_to_export(cfg).config_to_hf(cfg, dtype, base)
 
 
 def check_matches(hf_cfg: LlamaConfig | MoEConfig, model_cfg: LlamaConfig | MoEConfig, model_name: str,
                   source: str) -> None:
     """The run's model must have the checkpoint's shape; the message gives the flags that fix it."""
     family = family_of_config(hf_cfg)
-    if type(model_cfg) is not type(hf_cfg):
+    if not family.describes(model_cfg):
         raise UserError(f"{source} is a {family.title} checkpoint but --model {model_name} is not; "
                         f"choose {family.preset_hint}")
     # By the constructor's names, whose values are what the model reads (`head_dim` whether set or
@@ -240,7 +248,7 @@ def save_hf(params: dict[str, torch.Tensor], cfg: LlamaConfig | MoEConfig, out_d
     place, replacing an earlier export whole (see `check_export_target`)."""
     from safetensors.torch import save_file
 
-    family = family_of_config(cfg)
+    family = _family_to_export(cfg)
     config = family.config_to_hf(cfg, dtype, base_config)  # refuses a model HF has no equivalent of
     layout = family.export_layout_of(base_config)
     out = Path(out_dir)

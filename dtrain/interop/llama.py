@@ -24,6 +24,9 @@ _HF_TO_DTRAIN, _DTRAIN_TO_HF = name_tables(NAMES)
 class Llama(HFFamily):
     model_type, architecture, title, config_cls = "llama", "LlamaForCausalLM", "Llama", LlamaConfig
 
+    def describes(self, cfg) -> bool:
+        return type(cfg) is LlamaConfig and not cfg.qk_norm  # with qk-norm: Qwen3
+
     def config_from_hf(self, hf: dict[str, Any], source: str) -> LlamaConfig:
         common = common_config_from_hf(hf, source, self.title, default_theta=10000.0, default_eps=1e-6)
         return LlamaConfig(ffn_dim=hf["intermediate_size"], **common)

@@ -78,6 +78,9 @@ class Mixtral(HFFamily):
     free_fields = frozenset({"init_std", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "capacity_factor"})
     config_types = {"num_local_experts": "count", "num_experts_per_tok": "count", "router_aux_loss_coef": "number"}
 
+    def describes(self, cfg) -> bool:
+        return type(cfg) is MoEConfig and not cfg.qk_norm  # with qk-norm: Qwen3-MoE
+
     def config_from_hf(self, cfg: dict[str, Any], source: str) -> MoEConfig:
         window = cfg.get("sliding_window")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
