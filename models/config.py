@@ -21,9 +21,10 @@ class RopeScaling:
 
 @attrs.frozen
 class YarnScaling:
-    """YaRN (Peng et al. 2023) as DeepSeek-V2/V3 configure it: wavelengths longer than the original
-    context are interpolated by `factor`, short ones kept, a linear ramp between the dims that turn
-    `beta_fast` and `beta_slow` times over it; cos/sin are multiplied by
+    """YaRN (Peng et al. 2023) as DeepSeek-V2/V3 and gpt-oss configure it: wavelengths longer than the
+    original context are interpolated by `factor`, short ones kept, a linear ramp between the dims
+    that turn `beta_fast` and `beta_slow` times over it (rounded out to whole dims with `truncate`,
+    DeepSeek's; at the fractional dims without, gpt-oss's); cos/sin are multiplied by
     mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are set (1 for DeepSeek's
     checkpoints), else by mscale(factor, 1); MLA's softmax scale by mscale(factor, mscale_all_dim) ** 2
     where that is set. 0 stands for "not set", as transformers reads these."""
@@ -34,12 +35,22 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
+    truncate: bool = True
 
     def attention_factor(self) -> float:
         """What cos and sin are multiplied by (transformers' `attention_factor`)."""
         if self.mscale and self.mscale_all_dim:
             return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
         return yarn_mscale(self.factor)
+
+
+@attrs.frozen
+class ClampedSwiGLU:
+    """The routed experts' gated unit of gpt-oss in place of SwiGLU's silu(gate) * up:
+    gate = min(gate, limit), up = clamp(up, -limit, limit), out = gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    limit: float = 7.0
+    alpha: float = 1.702
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -76,6 +87,10 @@ class LlamaConfig:
     # Qwen3's qk-norm: each head's query and key RMS-normed over head_dim, before RoPE, with a
     # learned [head_dim] weight that all heads share (one for queries, one for keys).
     qk_norm: bool = False
+    # Biases on the q, k, v and output projections (gpt-oss).
+    attention_bias: bool = False
+    # A learned logit per head that joins every query's softmax and is dropped (gpt-oss's sinks).
+    attention_sinks: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check_shape(self, ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size"))
@@ -190,6 +205,12 @@ class MoEConfig:
     # imbalance rather than the model (Megatron's --moe-router-force-load-balancing and
     # TorchTitan's _debug_force_load_balance do the same). The weights are still the router's scores.
     force_load_balance: bool = False
+    # Biases on the routed experts' gate, up and down projections, and on the router's logits (gpt-oss).
+    expert_bias: bool = False
+    router_logit_bias: bool = False
+    # The routing weight multiplies the expert's input instead of its output (Llama 4's sigmoid top-1:
+    # an expert sees its score times the token).
+    scale_expert_inputs: bool = False
     # Which blocks are MoE, as one rule (`is_moe_layer`): block i is MoE iff i >= first_dense_layers,
     # (i + 1) % moe_layer_step == 0 and i is not in dense_layers; the others keep a dense SwiGLU of
     # width dense_ffn_dim. DeepSeekMoE/V3: first_dense_layers = first_k_dense_replace. Qwen3-MoE:
@@ -211,6 +232,8 @@ class MoEConfig:
     layer_pattern: str = ""
     attention_chunk: int | None = None
     qk_norm: bool = False
+    attention_bias: bool = False
+    attention_sinks: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check_shape(self, ("dim", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
@@ -252,6 +275,11 @@ class MoEConfig:
     def has_selection_bias(self) -> bool:
         """Whether each MoE router carries the auxiliary-loss-free selection bias."""
         return self.bias_update_rate > 0
+
+    @property
+    def expert_glu(self) -> ClampedSwiGLU | None:
+        """The experts' gated unit where it is not SwiGLU (None: SwiGLU)."""
+        return None
 
 
 def _check_layer_rule(cfg: MoEConfig) -> None:
@@ -334,6 +362,9 @@ class DeepSeekConfig(MoEConfig):
         if "nope" in self.layer_kinds:
             raise UserError(f"layer_pattern={self.layer_pattern!r} has NoPE layers, but MLA's keys carry RoPE; "
                             f"use full, window or chunk layers")
+        for name in ("attention_bias", "attention_sinks"):
+            if getattr(self, name):
+                raise UserError(f"{name}=true: dtrain's MLA has neither attention biases nor sinks; set it false")
 
     @property
     def qk_head_dim(self) -> int:

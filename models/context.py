@@ -7,12 +7,13 @@ out on devices. `LocalContext` is the single-device meaning of each; the paralle
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from models import masking
+from models.config import ClampedSwiGLU
 from models.linear_cross_entropy import linear_cross_entropy_sum
 from models.masking import AttentionMask
 
@@ -37,19 +38,22 @@ class ModelContext(Protocol):
         """Rows of `weight` [vocab, embed] for each token id."""
 
     def attention_mask(self, document_ids: torch.Tensor, window: int | None = None,
-                       chunk: int | None = None) -> AttentionMask | None:
+                       chunk: int | None = None, *, sinks: bool = False) -> AttentionMask | None:
         """The mask of one micro-batch for `attention`: attention within each document of
         `document_ids` [batch, seq] (full rows, on the host; zeros for one document per row),
         within `window` tokens back and within `chunk`-token chunks of absolute positions. Built
-        once before the forward, in the forms this context's kernels read, and shared by every
-        layer of its kind; None where plain causal attention is the same."""
+        once before the forward, in the forms this context's kernels read (`sinks`: for attention
+        with sinks), and shared by every layer of its kind; None where plain causal attention is
+        the same."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  mask: AttentionMask | None = None, *, scale: float | None = None) -> torch.Tensor:
+                  mask: AttentionMask | None = None, *, scale: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention over [batch, seq, heads, head_dim] tensors; k/v may have fewer heads (GQA),
         and v its own head_dim (MLA), which the output has. With `mask` (from `attention_mask`), a
         token attends only to the keys the mask keeps. `scale` multiplies the scores (default
-        head_dim ** -0.5)."""
+        head_dim ** -0.5). `sinks` [heads] (gpt-oss's attention sinks): one logit per head that
+        joins each query's softmax and is dropped, p_j = e^{s_j} / (sum_i e^{s_i} + e^{sink})."""
 
     def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy in fp32; labels of -100 are ignored."""
@@ -68,35 +72,62 @@ class ModelContext(Protocol):
         so that per-sample statistics (the experts' load) are those of one device."""
 
     def experts(self, x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                w_down: torch.Tensor) -> torch.Tensor:
+                w_down: torch.Tensor, *, biases: ExpertBiases | None = None,
+                glu: ClampedSwiGLU | None = None) -> torch.Tensor:
         """SwiGLU experts over rows grouped by expert: x [rows, embed] holds counts[e] rows for
         expert e, contiguous and in expert order (counts [num_experts], int, sums to rows);
         w_gate, w_up [num_experts, mlp, embed], w_down [num_experts, embed, mlp]. Returns
-        [rows, embed], row i being its expert's output for x[i], in the same order."""
+        [rows, embed], row i being its expert's output for x[i], in the same order. `biases`
+        (gate and up [num_experts, mlp], down [num_experts, embed]) are added to each expert's
+        projections; `glu` replaces SwiGLU's gated unit (gpt-oss's clamped one)."""
 
     def experts_on_tokens(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                          w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor | None:
+                          w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+                          biases: ExpertBiases | None = None, glu: ClampedSwiGLU | None = None) -> torch.Tensor | None:
         """The routed experts on whole tokens, for a context that exchanges tokens rather than
         rows sorted by expert: x [tokens, embed], expert_ids and weights [tokens, top_k] (dropless
         routing). Returns [tokens, embed], each token's weighted sum of its experts' outputs; or
-        None, and the caller sorts rows by expert and calls `experts`."""
+        None, and the caller sorts rows by expert and calls `experts`. `biases`, `glu` as `experts`."""
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: AttentionMask | None = None, scale: float | None = None) -> torch.Tensor:
+                     mask: AttentionMask | None = None, scale: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal SDPA on [batch, seq, heads, head_dim] inputs, GQA by head groups; with `mask` the
-    keys are also limited to those it keeps (a dense boolean mask: the reference meaning)."""
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    gqa = k.shape[1] != q.shape[1]
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
-    else:
+    keys are also limited to those it keeps (a dense boolean mask: the reference meaning); with
+    `sinks` [heads], the softmax over the scores and each head's sink logit, the sink dropped."""
+    dense = None
+    if mask is not None:
         dense = mask.forms.get(DENSE_FORM)
         if dense is None:
-            positions = torch.arange(q.shape[2], device=q.device)
+            positions = torch.arange(q.shape[1], device=q.device)
             dense = masking.allowed(mask.first_key, positions, positions).unsqueeze(1)
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, sinks, dense, scale)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    gqa = k.shape[1] != q.shape[1]
+    if dense is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa, scale=scale)
     return out.transpose(1, 2)
+
+
+def _attention_with_sinks(q, k, v, sinks, allowed: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """The math of attention sinks: a column of each head's sink logit beside the scores, the
+    softmax over both, the sink's column dropped. `allowed` [batch, 1, q, k] (None: causal)."""
+    heads = q.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if k.shape[1] != heads:
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if allowed is None:
+        allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink_column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+    probs = torch.cat([scores, sink_column], dim=-1).softmax(-1)[..., :-1]
+    return (probs.to(v.dtype) @ v).transpose(1, 2)
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -128,10 +159,35 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class ExpertBiases(NamedTuple):
+    """Biases of the routed experts' projections: gate and up [num_experts, mlp], down [num_experts, embed]."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def gated_unit(gate: torch.Tensor, up: torch.Tensor, glu: ClampedSwiGLU | None) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up, or the clamped unit `glu` describes."""
+    if glu is None:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=glu.limit), up.clamp(-glu.limit, glu.limit)
+    return gate * torch.sigmoid(glu.alpha * gate) * (up + 1)
+
+
+def _bias_of_rows(bias: torch.Tensor, offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, width]: each row's expert's bias (bias [num_experts, width], offs the cumulative
+    group ends), zeros for rows past the groups; from the offsets on the device, no host sync."""
+    expert_of_row = torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
+    return F.pad(bias, (0, 0, 0, 1))[expert_of_row]
+
+
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   w_down: torch.Tensor, use_grouped_mm: bool | None = None) -> torch.Tensor:
+                   w_down: torch.Tensor, use_grouped_mm: bool | None = None, *, biases: ExpertBiases | None = None,
+                   glu: ClampedSwiGLU | None = None) -> torch.Tensor:
     """`ModelContext.experts` on local tensors: one grouped GEMM per projection where the kernel
-    is supported (`use_grouped_mm=None` decides), else a loop over the experts."""
+    is supported (`use_grouped_mm=None` decides), else a loop over the experts; with `biases`
+    each row gets its expert's, between the GEMMs."""
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(x, w_gate, w_up, w_down)
     # No rows at all happens under expert parallelism, to a rank whose experts no token chose.
@@ -143,13 +199,18 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, 
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         gate = F.grouped_mm(x, w_gate.transpose(-2, -1), offs=offs)
         up = F.grouped_mm(x, w_up.transpose(-2, -1), offs=offs)
-        out = F.grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
+        if biases is not None:
+            gate = gate + _bias_of_rows(biases.gate, offs, x.shape[0])
+            up = up + _bias_of_rows(biases.up, offs, x.shape[0])
+        out = F.grouped_mm(gated_unit(gate, up, glu), w_down.transpose(-2, -1), offs=offs)
+        if biases is not None:
+            out = out + _bias_of_rows(biases.down, offs, x.shape[0])
         return _ContiguousGrad.apply(out)
-    return _expert_loop_swiglu(x, counts, w_gate, w_up, w_down)
+    return _expert_loop_swiglu(x, counts, w_gate, w_up, w_down, biases, glu)
 
 
 @torch.compiler.disable
-def _expert_loop_swiglu(x, counts, w_gate, w_up, w_down) -> torch.Tensor:
+def _expert_loop_swiglu(x, counts, w_gate, w_up, w_down, biases=None, glu=None) -> torch.Tensor:
     """One expert at a time, outside compiled graphs: the rows per expert change every step, and a
     graph would be recompiled for each new split until torch's recompile limit. Rows past the
     counts' sum belong to no expert and give zeros."""
@@ -157,8 +218,9 @@ def _expert_loop_swiglu(x, counts, w_gate, w_up, w_down) -> torch.Tensor:
     *per_expert, rest = x.split([*sizes, x.shape[0] - sum(sizes)])
     outputs = []
     for expert, rows in enumerate(per_expert):
-        hidden = F.silu(F.linear(rows, w_gate[expert])) * F.linear(rows, w_up[expert])
-        outputs.append(F.linear(hidden, w_down[expert]))
+        bias = (lambda name: None) if biases is None else (lambda name: getattr(biases, name)[expert])
+        hidden = gated_unit(F.linear(rows, w_gate[expert], bias("gate")), F.linear(rows, w_up[expert], bias("up")), glu)
+        outputs.append(F.linear(hidden, w_down[expert], bias("down")))
     outputs.append(rest.new_zeros(rest.shape[0], w_down.shape[1]))
     return torch.cat(outputs)
 
@@ -223,18 +285,18 @@ class LocalContext:
     def embedding(self, tokens, weight):
         return F.embedding(tokens, weight)
 
-    def attention_mask(self, document_ids, window=None, chunk=None):
+    def attention_mask(self, document_ids, window=None, chunk=None, *, sinks=False):
         first = masking.first_keys(document_ids, window, chunk)
         if masking.is_plain_causal(first):
             return None
         positions = torch.arange(first.shape[1])
         return AttentionMask(first, window, {DENSE_FORM: masking.allowed(first, positions, positions).unsqueeze(1)})
 
-    def attention(self, q, k, v, mask=None, *, scale=None):
+    def attention(self, q, k, v, mask=None, *, scale=None, sinks=None):
         if mask is not None and mask.first_key.device != q.device:
             mask = AttentionMask(mask.first_key.to(q.device), mask.window,
                                  {name: form.to(q.device) for name, form in mask.forms.items()})
-        return causal_attention(q, k, v, mask, scale)
+        return causal_attention(q, k, v, mask, scale, sinks)
 
     def per_token(self, fn, params, x):
         return fn(params, x)
@@ -256,8 +318,8 @@ class LocalContext:
         """The logits of every token at once, then their loss."""
         return self.cross_entropy_sum(self.constrain(self.linear(h, weight), LOGITS, "logits"), labels)
 
-    def experts(self, x, counts, w_gate, w_up, w_down):
-        return grouped_swiglu(x, counts, w_gate, w_up, w_down)
+    def experts(self, x, counts, w_gate, w_up, w_down, *, biases=None, glu=None):
+        return grouped_swiglu(x, counts, w_gate, w_up, w_down, biases=biases, glu=glu)
 
-    def experts_on_tokens(self, x, expert_ids, weights, w_gate, w_up, w_down):
+    def experts_on_tokens(self, x, expert_ids, weights, w_gate, w_up, w_down, *, biases=None, glu=None):
         return None

@@ -6,15 +6,20 @@ from collections.abc import Callable
 
 import torch
 
-from models import deepseek, llama, mixtral, mla, moe, mtp, spec
+from models import deepseek, gpt_oss, llama, llama4, mixtral, mla, moe, mtp, spec
 from models.config import DeepSeekConfig, LlamaConfig, MoEConfig
+from models.family_configs import GptOssConfig, Llama4Config
 
-ModelConfig = LlamaConfig | MoEConfig | DeepSeekConfig
+ModelConfig = LlamaConfig | MoEConfig | DeepSeekConfig | GptOssConfig | Llama4Config
 
 
 def layers(cfg: ModelConfig) -> list[spec.Layer]:
     if isinstance(cfg, DeepSeekConfig):
         return deepseek.layers(cfg)
+    if isinstance(cfg, GptOssConfig):
+        return gpt_oss.layers(cfg)
+    if isinstance(cfg, Llama4Config):
+        return llama4.layers(cfg)
     return mixtral.layers(cfg) if isinstance(cfg, MoEConfig) else llama.layers(cfg)
 
 
@@ -25,6 +30,8 @@ def make_aux(cfg: ModelConfig, positions: torch.Tensor, *, loss_scale: float = 1
         stats = mtp.MTPStats() if cfg.mtp_depth else None
         return deepseek.make_aux(cfg, positions, router_stats=moe.RouterStats(), loss_scale=loss_scale,
                                  mtp_stats=stats)
+    if isinstance(cfg, Llama4Config):
+        return llama4.make_aux(cfg, positions, router_stats=moe.RouterStats(), loss_scale=loss_scale)
     if isinstance(cfg, MoEConfig):
         return mixtral.make_aux(cfg, positions, router_stats=moe.RouterStats(), loss_scale=loss_scale)
     return llama.make_aux(cfg, positions)

@@ -17,9 +17,8 @@ from models import masking, spec
 from models.config import LlamaConfig
 from models.context import ModelContext
 from models.masking import AttentionMask
-from models.layers import attention_block, rms_norm, rope_frequencies, rope_table, swiglu_block
-
-RESIDUAL = ("batch", "seq", "embed")
+from models.layers import (RESIDUAL, attention_block, rms_norm, rope_attention_factor, rope_frequencies, rope_table,
+                           swiglu_block)
 
 
 @attrs.frozen
@@ -44,7 +43,7 @@ class Aux:
 def make_aux(cfg: LlamaConfig, positions: torch.Tensor, labels: torch.Tensor | None = None) -> Aux:
     """`positions` is [seq], or [batch, seq] when positions restart at each document."""
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    return Aux(rope=rope_table(positions, inv_freq), labels=labels)
+    return Aux(rope=rope_table(positions, inv_freq, rope_attention_factor(cfg.rope_scaling)), labels=labels)
 
 
 def embed_forward(p: dict, tokens: torch.Tensor, aux: Aux, ctx: ModelContext) -> torch.Tensor:
@@ -84,6 +83,12 @@ def attention_params(cfg, std: float, out_std: float) -> dict[str, spec.ParamSpe
     }
     if cfg.qk_norm:
         params.update(q_norm=spec.ones((hd,), ("head_dim",)), k_norm=spec.ones((hd,), ("head_dim",)))
+    if cfg.attention_bias:
+        params.update(bq=spec.zeros((cfg.num_heads * hd,), ("heads",)), bk=spec.zeros((cfg.num_kv_heads * hd,), ("kv_heads",)),
+                      bv=spec.zeros((cfg.num_kv_heads * hd,), ("kv_heads",)), bo=spec.zeros((d,), ("embed",)))
+    if cfg.attention_sinks:
+        # One logit per head, split with the heads under tensor parallelism; never decayed.
+        params["sinks"] = spec.ParamSpec((cfg.num_heads,), ("heads",), "normal", std, weight_decay=False)
     return params
 
 

@@ -72,7 +72,8 @@ def layer_masks(cfg, ctx, document_ids: torch.Tensor) -> dict[str, AttentionMask
     """One micro-batch's masks, one for each mask kind of `cfg`'s layers (`mask_kind`), from
     `ctx.attention_mask`; None where attention of that kind is plain causal."""
     kinds = dict.fromkeys(mask_kind(kind) for kind in cfg.layer_kinds)
-    return {kind: ctx.attention_mask(document_ids, **mask_extent(cfg, kind)) for kind in kinds}
+    return {kind: ctx.attention_mask(document_ids, **mask_extent(cfg, kind), sinks=cfg.attention_sinks)
+            for kind in kinds}
 
 
 def is_plain_causal(first_key: torch.Tensor) -> bool:

@@ -67,11 +67,12 @@ def block_params(cfg: MoEConfig, index: int, attention: dict[str, Any], std: flo
     return params
 
 
-def layers(cfg: MoEConfig) -> list[spec.Layer]:
+def layers(cfg: MoEConfig, block=block_forward) -> list[spec.Layer]:
+    """The layer sequence, each block's forward `block(p, x, aux, ctx, cfg=, index=)`."""
     std, out_std = llama.init_stds(cfg)
     embed, head = llama.embed_and_head(cfg)
     blocks = [spec.Layer(f"blocks.{i}", block_params(cfg, i, llama.attention_params(cfg, std, out_std), std, out_std),
-                         functools.partial(block_forward, cfg=cfg, index=i))
+                         functools.partial(block, cfg=cfg, index=i))
               for i in range(cfg.num_layers)]
     return [embed, *blocks, head]
 
@@ -79,9 +80,16 @@ def layers(cfg: MoEConfig) -> list[spec.Layer]:
 def forward(params: dict[str, Any], tokens: torch.Tensor, labels: torch.Tensor, cfg: MoEConfig,
             ctx: ModelContext, router_stats: moe.RouterStats | None = None) -> torch.Tensor:
     """The whole model on a parameter tree keyed like `layers(cfg)`: summed loss over the labels."""
-    aux = make_aux(cfg, torch.arange(tokens.shape[1], device=tokens.device), labels, router_stats)
+    return run(layers(cfg), make_aux, params, tokens, labels, cfg, ctx, router_stats)
+
+
+def run(model_layers: list[spec.Layer], aux_of, params: dict[str, Any], tokens: torch.Tensor, labels: torch.Tensor,
+        cfg: MoEConfig, ctx: ModelContext, router_stats: moe.RouterStats | None = None) -> torch.Tensor:
+    """`model_layers` on one process, with the aux `aux_of(cfg, positions, labels, router_stats)`
+    and the masks of rows of one document each."""
+    aux = aux_of(cfg, torch.arange(tokens.shape[1], device=tokens.device), labels, router_stats)
     aux = attrs.evolve(aux, masks=llama.one_document_masks(cfg, ctx, *tokens.shape))
-    return llama.run_layers(layers(cfg), params, tokens, aux, ctx)
+    return llama.run_layers(model_layers, params, tokens, aux, ctx)
 
 
 def is_expert_weight(param: spec.ParamSpec) -> bool:

@@ -20,7 +20,7 @@ import torch
 from models import spec
 from models.config import DeepSeekConfig, YarnScaling, yarn_mscale
 from models.context import ModelContext
-from models.layers import apply_rope, rms_norm, rope_frequencies, rope_table
+from models.layers import apply_rope, rms_norm, rope_attention_factor, rope_frequencies, rope_table
 from models.masking import AttentionMask
 
 # The latent norms of DeepSeek's checkpoints use this epsilon whatever rms_norm_eps says (their
@@ -57,11 +57,7 @@ def softmax_scale(cfg: DeepSeekConfig) -> float:
 def rope(cfg: DeepSeekConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the qk_rope_head_dim rotary part, with YaRN's attention factor applied."""
     inv_freq = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
-    cos, sin = rope_table(positions, inv_freq)
-    if isinstance(cfg.rope_scaling, YarnScaling):
-        factor = cfg.rope_scaling.attention_factor()
-        cos, sin = cos * factor, sin * factor
-    return cos, sin
+    return rope_table(positions, inv_freq, rope_attention_factor(cfg.rope_scaling))
 
 
 def attention(p: dict, x: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor], cfg: DeepSeekConfig,

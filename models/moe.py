@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from models import spec
 from models.config import MoEConfig
-from models.context import ModelContext
+from models.context import ExpertBiases, ModelContext
 from models.layers import swiglu_block
 
 
@@ -47,16 +47,16 @@ class Dispatch(NamedTuple):
 
 
 def route(x_TD: torch.Tensor, router: torch.Tensor, cfg: MoEConfig,
-          selection_bias: torch.Tensor | None = None) -> Routing:
+          selection_bias: torch.Tensor | None = None, logit_bias: torch.Tensor | None = None) -> Routing:
     """Scores every expert for every token and keeps the top k (from the token's best groups, with
     group-limited routing).
 
     The router runs in fp32: small differences in bf16 logits flip the top-k choice. The
     selection bias (auxiliary-loss-free balancing) only changes which experts are chosen; the
     weights are the unbiased scores of the chosen experts (renormalised with route_norm), times
-    routed_scaling_factor.
+    routed_scaling_factor. `logit_bias` (gpt-oss's trainable router bias) is part of the logits.
     """
-    logits = F.linear(x_TD.float(), router.float())
+    logits = F.linear(x_TD.float(), router.float(), None if logit_bias is None else logit_bias.float())
     scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
     if cfg.force_load_balance:
         slot = torch.arange(x_TD.shape[0] * cfg.top_k, device=x_TD.device)
@@ -267,21 +267,34 @@ def moe_forward(p: dict, x: torch.Tensor, cfg: MoEConfig, ctx: ModelContext, *, 
     """
     x_TD = x.reshape(-1, x.shape[-1])
     num_tokens = x_TD.shape[0]
-    routing = route(x_TD, p["router"], cfg, p.get("router_bias"))
+    routing = route(x_TD, p["router"], cfg, p.get("router_bias"), p.get("router_logit_bias"))
     load = expert_load(routing, cfg.num_experts)
     aux_loss = load_balancing_loss(routing, ctx.sum_over_token_shards(load), cfg.score_func)
     z_loss = router_z_loss(routing)
 
-    expert_weights = p["experts"]["w_gate"], p["experts"]["w_up"], p["experts"]["w_down"]
+    experts = p["experts"]
+    expert_weights = experts["w_gate"], experts["w_up"], experts["w_down"]
+    variant = {"biases": ExpertBiases(experts["b_gate"], experts["b_up"], experts["b_down"]) if "b_gate" in experts
+               else None, "glu": cfg.expert_glu}
     capacity = expert_capacity(cfg, num_tokens)
     out_TD = None
     num_dropped = torch.zeros((), dtype=torch.long, device=load.device)
-    if capacity is None:
-        out_TD = ctx.experts_on_tokens(x_TD, routing.expert_ids, routing.weights, *expert_weights)
+    tokens_in, combined = x_TD, routing
+    if cfg.scale_expert_inputs:
+        # The weight scales what each expert sees, and the outputs are summed unweighted. With one
+        # expert a token, the scaled token is that expert's row, whichever way rows travel.
+        ones = torch.ones_like(routing.weights)
+        combined = routing._replace(weights=ones)
+        tokens_in = x_TD * routing.weights.to(x_TD.dtype) if cfg.top_k == 1 else None
+    if capacity is None and tokens_in is not None:
+        out_TD = ctx.experts_on_tokens(tokens_in, routing.expert_ids, combined.weights, *expert_weights, **variant)
     if out_TD is None:  # the rows of each expert, sorted by expert
         dispatched = dispatch(routing, load, capacity)
-        expert_out_SD = ctx.experts(x_TD[dispatched.slots // cfg.top_k], dispatched.counts, *expert_weights)
-        out_TD = combine(expert_out_SD, routing, dispatched.slots)
+        rows = x_TD[dispatched.slots // cfg.top_k]
+        if cfg.scale_expert_inputs:
+            rows = rows * routing.weights.flatten()[dispatched.slots, None].to(rows.dtype)
+        expert_out_SD = ctx.experts(rows, dispatched.counts, *expert_weights, **variant)
+        out_TD = combine(expert_out_SD, combined, dispatched.slots)
         num_dropped = dispatched.num_dropped
     if "shared" in p:
         out_TD = out_TD + swiglu_block(p["shared"], x_TD, ctx)
@@ -310,6 +323,12 @@ def moe_params(cfg: MoEConfig, std: float, out_std: float) -> dict[str, Any]:
             "w_down": spec.normal((e, d, f), ("expert", "embed", "expert_mlp"), out_std),
         },
     }
+    if cfg.expert_bias:
+        params["experts"].update(b_gate=spec.zeros((e, f), ("expert", "expert_mlp")),
+                                 b_up=spec.zeros((e, f), ("expert", "expert_mlp")),
+                                 b_down=spec.zeros((e, d), ("expert", "embed")))
+    if cfg.router_logit_bias:
+        params["router_logit_bias"] = spec.ParamSpec((e,), ("router",), "normal", std, weight_decay=False)
     if cfg.has_selection_bias:
         # Zeros (a normal of std 0). It gets no gradient: it only moves the top-k choice, and
         # `update_expert_bias` changes it after each optimizer step.

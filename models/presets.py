@@ -6,9 +6,14 @@ import attrs
 
 from models.config import DeepSeekConfig, LlamaConfig, MoEConfig, RopeScaling, YarnScaling
 from models.errors import UserError
+from models.family_configs import GptOssConfig, Llama4Config
 
 _LLAMA3_ROPE = RopeScaling(factor=8.0, original_max_seq_len=8192)
 _LLAMA32_ROPE = RopeScaling(factor=32.0, original_max_seq_len=8192)
+# gpt-oss's YaRN (both sizes): 32 times the original 4096 positions, the ramp not rounded to whole dims.
+_GPT_OSS_YARN = YarnScaling(factor=32.0, original_max_seq_len=4096, beta_fast=32.0, beta_slow=1.0, truncate=False)
+# Llama-4-Scout's llama3 scaling (low == high: no band between the scaled and the kept frequencies).
+_SCOUT_ROPE = RopeScaling(factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_seq_len=8192)
 
 PRESETS: dict[str, LlamaConfig | MoEConfig] = {
     # CPU tests: 10 steps take seconds. The vocabulary matches the bundled tokenizer.
@@ -139,6 +144,36 @@ PRESETS: dict[str, LlamaConfig | MoEConfig] = {
         num_experts=128, top_k=8, expert_ffn_dim=1536, dense_ffn_dim=12288, aux_loss_coef=0.001 * 8 / 94,
         rope_theta=1e6, norm_eps=1e-6,
     ),
+    # gpt-oss: attention sinks and biases, windows of 128 on even layers, biased experts with the
+    # clamped SwiGLU. CPU tests: every part at the tiny scale (heads twice dim wide, a window of 16),
+    # the vocabulary the bundled tokenizer's, gpt-oss's YaRN. Parameter counts in tests/test_gpt_oss.py.
+    "tiny-gpt-oss": GptOssConfig(
+        dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=2048,
+        num_experts=8, top_k=2, expert_ffn_dim=64, aux_loss_coef=0.001, layer_pattern="window-full",
+        sliding_window=16, rope_theta=150000.0, rope_scaling=_GPT_OSS_YARN,
+    ),
+    "gpt-oss-20b": GptOssConfig(
+        dim=2880, num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, vocab_size=201088,
+        num_experts=32, top_k=4, expert_ffn_dim=2880, aux_loss_coef=0.001, layer_pattern="window-full",
+        sliding_window=128, rope_theta=150000.0, rope_scaling=_GPT_OSS_YARN,
+    ),
+    "gpt-oss-120b": GptOssConfig(
+        dim=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64, vocab_size=201088,
+        num_experts=128, top_k=4, expert_ffn_dim=2880, aux_loss_coef=0.001, layer_pattern="window-full",
+        sliding_window=128, rope_theta=150000.0, rope_scaling=_GPT_OSS_YARN,
+    ),
+    # Llama 4 (text): chunked attention on RoPE layers, every fourth layer NoPE, sigmoid top-1
+    # experts beside a shared one. CPU tests: chunks of 16, the temperature from position 31 on,
+    # Scout's RoPE scaling, the bundled tokenizer's vocabulary. Counts in tests/test_llama4.py.
+    "tiny-llama4": Llama4Config(
+        dim=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=2048, num_experts=4,
+        expert_ffn_dim=64, dense_ffn_dim=128, attention_chunk=16, floor_scale=32,
+        rope_theta=500000.0, rope_scaling=_SCOUT_ROPE,
+    ),
+    "llama4-scout-17b-16e": Llama4Config(
+        dim=5120, num_layers=48, num_heads=40, num_kv_heads=8, head_dim=128, vocab_size=202048,
+        num_experts=16, expert_ffn_dim=8192, dense_ffn_dim=16384, rope_theta=500000.0, rope_scaling=_SCOUT_ROPE,
+    ),
 }
 
 # Field types the command line can set, and how to read each from text.
@@ -151,6 +186,7 @@ _OVERRIDE_PARSERS = {
     "float | None": lambda text: None if text.lower() == "none" else float(text),
     # Only switched off from the command line: the presets say how to scale.
     "YarnScaling | None": lambda text: {"none": None}[text.lower()],
+    "RopeScaling | None": lambda text: {"none": None}[text.lower()],
     "int | None": lambda text: None if text.lower() == "none" else int(text),
     # A list of blocks, bracketed: dense_layers=[0,5] (or [] for none).
     "tuple[int, ...]": lambda text: _int_list(text),

@@ -46,6 +46,11 @@ def ones(shape: tuple[int, ...], axes: tuple[str, ...]) -> ParamSpec:
     return ParamSpec(tuple(shape), tuple(axes), "ones", 0.0, weight_decay=False)
 
 
+def zeros(shape: tuple[int, ...], axes: tuple[str, ...]) -> ParamSpec:
+    """Zeros (a normal of std 0), never decayed: a bias."""
+    return ParamSpec(tuple(shape), tuple(axes), "normal", 0.0, weight_decay=False)
+
+
 @attrs.frozen
 class Layer:
     """One entry of the model's layer sequence.

@@ -21,6 +21,7 @@ from models.context import LocalContext, causal_attention
 from models.linear_cross_entropy import linear_cross_entropy_sum
 from models.masking import AttentionMask
 from parallel import masked_attention
+from parallel.attention_sinks import attention_with_sinks
 from parallel.context_parallel import WHOLE_ROW, context_parallel_attention, mask_sites
 from parallel.expert_parallel import ExpertParallelContextMixin
 from parallel.plan import Plan
@@ -213,36 +214,56 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         placements = [Partial() if name in vocab_dims else Replicate() for name in mesh.mesh_dim_names]
         return DTensor.from_local(out, mesh, placements, run_check=False)
 
-    def attention_mask(self, document_ids, window=None, chunk=None):
+    def attention_mask(self, document_ids, window=None, chunk=None, *, sinks=False):
         cp_rank = dist.get_rank(self.cp_group) if self.cp_group is not None else 0
         sites = mask_sites(self.cp_method, document_ids.shape[1], self.plan.mesh_spec.cp, cp_rank)
 
         def kernel_of(whole_row: bool) -> str:
             return masked_attention.choose_kernel(self.attention_kernel, self.device, self.compute_dtype,
-                                                  whole_row, window)
+                                                  whole_row, window, with_lse=sinks)
 
         return masked_attention.build_mask(document_ids, window, sites, kernel_of, self.device, chunk=chunk)
 
-    def attention(self, q, k, v, mask=None, *, scale=None):
+    def attention(self, q, k, v, mask=None, *, scale=None, sinks=None):
         if not isinstance(q, DTensor):
-            return self._local_attention(q, k, v, mask, scale)
+            return self._local_attention(q, k, v, mask, scale, sinks)
         # Heads are split over tp: each rank attends with its own heads, no communication.
         q_local = q.to_local()
         if k.placements == q.placements:
             k_local, v_local = k.to_local(), v.to_local()
         else:
             k_local, v_local = (self._kv_for_local_queries(t, q) for t in (k, v))
-        out = self._local_attention(q_local, k_local, v_local, mask, scale)
+        if sinks is not None:
+            sinks = self._sinks_for_local_queries(sinks, q)
+        out = self._local_attention(q_local, k_local, v_local, mask, scale, sinks)
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
 
-    def _local_attention(self, q, k, v, mask: AttentionMask | None, scale: float | None):
+    def _local_attention(self, q, k, v, mask: AttentionMask | None, scale: float | None,
+                         sinks: torch.Tensor | None = None):
         if self.cp_group is not None:
             # The sequence is split over cp: attention is the one place those ranks exchange data.
             return context_parallel_attention(q, k, v, group=self.cp_group, method=self.cp_method, mask=mask,
-                                              scale=scale)
+                                              scale=scale, sinks=sinks)
+        if sinks is not None:
+            return attention_with_sinks(q, k, v, sinks, mask.forms[WHOLE_ROW] if mask is not None else None, scale)
         if mask is None:
             return fused_causal_attention(q, k, v, scale=scale)
         return masked_attention.attend(q, k, v, mask.forms[WHOLE_ROW], scale)
+
+    @staticmethod
+    def _sinks_for_local_queries(sinks: torch.Tensor, q: DTensor) -> torch.Tensor:
+        """The sink logits of this rank's query heads: their shard where the sinks are split over tp
+        with the heads, else this rank's slice of the whole (its gradient a partial sum over tp)."""
+        if not isinstance(sinks, DTensor):
+            heads, offset = shard_extent(q, 2)
+            return sinks[offset:offset + heads]
+        local = sinks.to_local()
+        heads, offset = shard_extent(q, 2)
+        if local.shape[0] == heads and tuple(p.is_shard(0) for p in sinks.placements) == tuple(
+                p.is_shard(2) for p in q.placements):
+            return local
+        whole = sinks.redistribute(sinks.device_mesh, [Replicate()] * sinks.device_mesh.ndim)
+        return whole.to_local(grad_placements=[Partial()] * sinks.device_mesh.ndim)[offset:offset + heads]
 
     @staticmethod
     def _kv_for_local_queries(kv: DTensor, q: DTensor) -> torch.Tensor:

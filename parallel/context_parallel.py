@@ -11,11 +11,14 @@ and all ranks do the same attention work. Three ways to attend over the whole se
   back to their owner.
 - a2a (Ulysses): all-to-all from sequence shards to head shards, full causal attention, all-to-all back.
 
-With packed documents or a sliding window (a models.masking.AttentionMask) each method keeps its
-communication and attends with the mask's form for its call sites (`mask_sites`): all-gather, this
-rank's query positions against every key in one masked call; a2a, the whole row as on one device;
-the ring, each of its blocks, skipping blocks where no query sees a key (parallel/masked_attention.py).
-Chunks keep their global positions, so the documents and the load balance stay as they are.
+With packed documents, a sliding window or chunks (a models.masking.AttentionMask) each method
+keeps its communication and attends with the mask's form for its call sites (`mask_sites`):
+all-gather, this rank's query positions against every key in one masked call; a2a, the whole row as
+on one device; the ring, each of its blocks, skipping blocks where no query sees a key
+(parallel/masked_attention.py). Chunks keep their global positions, so the documents and the load
+balance stay as they are. Attention sinks (parallel/attention_sinks.py) rescale the merged output
+once, after the all-gather's or the ring's blocks are merged; under a2a each rank takes the sinks of
+the heads it holds.
 
 torch's own `context_parallel()` only intercepts CUDA SDPA ops (TORCH-NOTES.md), hence this module: it
 runs on CPU (what the tests check) and on CUDA. The all-gather and ring methods call the fused
@@ -39,6 +42,7 @@ from models.errors import UserError
 from models.masking import AttentionMask
 from parallel import masked_attention
 from parallel.attention_blocks import block_attention, block_attention_backward, choose_block_kernel, merge_into
+from parallel.attention_sinks import attention_with_sinks, merge_sinks, sink_attention, sinks_grad
 from parallel.ring_attention import ring_attention, ring_site
 
 # Mask sites (see `mask_sites`): the whole row in order, and one rank's chunks over all keys.
@@ -123,7 +127,8 @@ def _causal_sdpa(q, k, v, scale) -> torch.Tensor:
 # allgather: every rank sees all K/V; per-chunk causal masks in global positions.
 
 
-def _allgather_attention(q, k, v, group, cp_size: int, scale, mask: AttentionMask | None = None) -> torch.Tensor:
+def _allgather_attention(q, k, v, group, cp_size: int, scale, mask: AttentionMask | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     batch, local_seq, _, head_dim = q.shape
     kv_heads, seq_len = k.shape[2], local_seq * cp_size
     # One collective for K and V; under GQA only the kv heads travel. Its autograd backward is a
@@ -134,29 +139,34 @@ def _allgather_attention(q, k, v, group, cp_size: int, scale, mask: AttentionMas
     gathered = gathered.reshape(batch, seq_len, 2 * kv_heads, head_dim)
     kv_global = gathered.index_select(1, torch.argsort(_rank_major_positions(seq_len, cp_size, q.device)))
     k_all, v_all = kv_global.split(kv_heads, dim=2)
+    if mask is not None and sinks is not None:
+        form = mask.forms[GATHERED]
+        return sink_attention(q, k_all, v_all, sinks, lambda q, k, v: (*masked_attention.block_forward(q, k, v, form, scale), None),
+                              lambda g, q, k, v, out, lse, _: masked_attention.block_backward(g, q, k, v, out, lse, form, scale))
     if mask is not None:
         return masked_attention.attend(q, k_all, v_all, mask.forms[GATHERED], scale)
 
     # This rank's queries are chunks `rank` and `2 * cp - 1 - rank` of the sequence.
     rank = dist.get_rank(group)
-    return _attend_own_chunks(q, k_all, v_all, (rank, 2 * cp_size - 1 - rank), scale)
+    return _attend_own_chunks(q, k_all, v_all, (rank, 2 * cp_size - 1 - rank), scale, sinks)
 
 
 @torch.compiler.disable
-def _attend_own_chunks(q, k_all, v_all, chunk_indices: tuple[int, int], scale) -> torch.Tensor:
+def _attend_own_chunks(q, k_all, v_all, chunk_indices: tuple[int, int], scale, sinks=None) -> torch.Tensor:
     """Outside compiled graphs, as the ring's block loop is: the kernel choice reads SDPA's support
     checks (which a graph cannot hold), and the block kernels run as they are, already fused."""
-    return _ChunksOverGatheredKV.apply(q, k_all, v_all, chunk_indices, choose_block_kernel(q), scale)
+    return _ChunksOverGatheredKV.apply(q, k_all, v_all, chunk_indices, choose_block_kernel(q), scale, sinks)
 
 
 class _ChunksOverGatheredKV(torch.autograd.Function):
     """This rank's two query chunks over the whole sequence's K/V (in global order). Query chunk c
     sees the keys of chunks 0..c-1 in full (one block) and its own chunk causally (the diagonal
     block); keys past it are left out. The blocks run fused kernels (cuDNN on Hopper) and merge by
-    log-sum-exp; backward gives each block's kernel the merged output and log-sum-exp."""
+    log-sum-exp, then take the sinks in where there are; backward gives each block's kernel the
+    merged output and log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k_all, v_all, chunk_indices: tuple[int, int], kernel: str, scale):
+    def forward(ctx, q, k_all, v_all, chunk_indices: tuple[int, int], kernel: str, scale, sinks=None):
         chunk = q.shape[1] // 2
         outputs, lses, state = [], [], None
         for half, index in enumerate(chunk_indices):
@@ -170,14 +180,17 @@ class _ChunksOverGatheredKV(torch.autograd.Function):
                 merge_into(out, lse, *past[:2])
             outputs.append(out)
             lses.append(lse)
-        out, lse = torch.cat(outputs, dim=1).to(q.dtype), torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        out, lse = torch.cat(outputs, dim=1), torch.cat(lses, dim=2)
+        if sinks is not None:
+            out, lse = merge_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k_all, v_all, out, lse, sinks)
         ctx.chunk_indices, ctx.kernel, ctx.state = chunk_indices, kernel, state
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k_all, v_all, out, lse = ctx.saved_tensors
+        q, k_all, v_all, out, lse, sinks = ctx.saved_tensors
         chunk = q.shape[1] // 2
         # fp32 (or better) accumulators: a key's gradient sums blocks of both query chunks.
         grad_q, grad_k, grad_v = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (q, k_all, v_all))
@@ -190,7 +203,8 @@ class _ChunksOverGatheredKV(torch.autograd.Function):
                 grad_q[:, rows] += dq
                 grad_k[:, keys] += dk
                 grad_v[:, keys] += dv
-        return grad_q.to(q.dtype), grad_k.to(k_all.dtype), grad_v.to(v_all.dtype), None, None, None
+        grad_sinks = sinks_grad(grad_out, out, lse, sinks) if sinks is not None else None
+        return grad_q.to(q.dtype), grad_k.to(k_all.dtype), grad_v.to(v_all.dtype), None, None, None, grad_sinks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +219,8 @@ def _check_heads_split(heads: int, kv_heads: int, cp_size: int) -> None:
         )
 
 
-def _a2a_attention(q, k, v, group, cp_size: int, scale, mask: AttentionMask | None = None) -> torch.Tensor:
+def _a2a_attention(q, k, v, group, cp_size: int, scale, mask: AttentionMask | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     batch, local_seq, heads, head_dim = q.shape
     kv_heads, seq_len = k.shape[2], local_seq * cp_size
 
@@ -220,7 +235,12 @@ def _a2a_attention(q, k, v, group, cp_size: int, scale, mask: AttentionMask | No
     rank_major = _rank_major_positions(seq_len, cp_size, q.device)
     received = received.index_select(1, torch.argsort(rank_major))
     q_heads, k_heads, v_heads = received.split([heads // cp_size, kv_heads // cp_size, kv_heads // cp_size], dim=2)
-    if mask is None:
+    if sinks is not None:  # the sinks of this rank's heads: their gradients sum over cp, each from one rank
+        rank, local_heads = dist.get_rank(group), heads // cp_size
+        form = mask.forms[WHOLE_ROW] if mask is not None else None
+        out = attention_with_sinks(q_heads, k_heads, v_heads, sinks[rank * local_heads:(rank + 1) * local_heads],
+                                   form, scale)
+    elif mask is None:
         out = _causal_sdpa(q_heads, k_heads, v_heads, scale)  # [batch, seq, heads / cp, head_dim]
     else:
         out = masked_attention.attend(q_heads, k_heads, v_heads, mask.forms[WHOLE_ROW], scale)
@@ -234,13 +254,15 @@ def _a2a_attention(q, k, v, group, cp_size: int, scale, mask: AttentionMask | No
 
 
 def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str,
-                               mask: AttentionMask | None = None, scale: float | None = None) -> torch.Tensor:
+                               mask: AttentionMask | None = None, scale: float | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced queries over the whole sequence of the cp group.
 
     q [batch, local_seq, heads, head_dim], k and v [batch, local_seq, kv_heads, head_dim] hold this
     rank's tokens in `shard_sequence` order; v may have a head_dim of its own (MLA), which the
     output has. `mask` limits the keys (its forms built for this method's `mask_sites` on this
-    rank); `scale` multiplies the scores (None: q's head_dim ** -0.5).
+    rank); `scale` multiplies the scores (None: q's head_dim ** -0.5); `sinks` [heads] are
+    attention sinks (parallel/attention_sinks.py).
     method in ("allgather", "ring", "a2a"); raises models.errors.UserError for an unknown method
     and for a2a when heads or kv_heads are not divisible by cp."""
     if method not in CP_METHODS:
@@ -256,6 +278,8 @@ def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str
             f"local sequence length {q.shape[1]} is odd; the sequence must be a multiple of 2 x cp = {2 * cp_size}"
         )
     if cp_size == 1:  # one rank holds chunks 0 and 1: the sequence in its own order
+        if sinks is not None:
+            return attention_with_sinks(q, k, v, sinks, mask.forms[WHOLE_ROW] if mask is not None else None, scale)
         if mask is not None:
             return masked_attention.attend(q, k, v, mask.forms[WHOLE_ROW], scale)
         return _causal_sdpa(q, k, v, scale)
@@ -266,9 +290,9 @@ def context_parallel_attention(q, k, v, *, group: dist.ProcessGroup, method: str
     value_dim, width = v.shape[-1], max(q.shape[-1], v.shape[-1])
     q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     if method == "allgather":
-        out = _allgather_attention(q, k, v, group, cp_size, scale, mask)
+        out = _allgather_attention(q, k, v, group, cp_size, scale, mask, sinks)
     elif method == "a2a":
-        out = _a2a_attention(q, k, v, group, cp_size, scale, mask)
+        out = _a2a_attention(q, k, v, group, cp_size, scale, mask, sinks)
     else:
-        out = ring_attention(q, k, v, group, forms=None if mask is None else mask.forms, scale=scale)
+        out = ring_attention(q, k, v, group, forms=None if mask is None else mask.forms, scale=scale, sinks=sinks)
     return out if value_dim == width else out[..., :value_dim]

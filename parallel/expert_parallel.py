@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from models.context import grouped_swiglu
+from models.context import ExpertBiases, grouped_swiglu
 from models.errors import UserError
 from parallel import collectives
 
@@ -62,7 +62,7 @@ def _check_shapes(x, counts, weights, num_experts: int, ep: int) -> int:
     local_experts = num_experts // ep
     if counts is not None and counts.shape != (num_experts,):
         raise UserError(f"counts has shape {tuple(counts.shape)}; expected ({num_experts},), one per expert")
-    for name, weight in zip(("w_gate", "w_up", "w_down"), weights):
+    for name, weight in zip(("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"), weights):
         if weight.shape[0] != local_experts:
             raise UserError(
                 f"{name} holds {weight.shape[0]} experts on this rank, but {num_experts} experts over "
@@ -93,13 +93,15 @@ def _expert_major_positions(received_counts: torch.Tensor, total: int) -> torch.
 
 def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: torch.Tensor,
                            w_up_local: torch.Tensor, w_down_local: torch.Tensor, *,
-                           group: dist.ProcessGroup, num_experts: int, swiglu=grouped_swiglu) -> torch.Tensor:
+                           group: dist.ProcessGroup, num_experts: int, swiglu=grouped_swiglu,
+                           biases: ExpertBiases | None = None, glu=None) -> torch.Tensor:
     """`LocalContext.experts` over `group`: x [rows, embed] sorted by expert with `counts` [num_experts]
     rows each (this rank's tokens, all experts); w_*_local the [num_experts / ep, ...] weights of this
-    rank's block of experts. Returns [rows, embed], each row its expert's output, in x's order.
-    `swiglu` computes the local experts (`grouped_swiglu`, or a compiled version of it)."""
+    rank's block of experts (and `biases` theirs, applied here, on the experts' rank). Returns
+    [rows, embed], each row its expert's output, in x's order. `swiglu` computes the local experts
+    (`grouped_swiglu`, or a compiled version of it)."""
     ep = dist.get_world_size(group)
-    _check_shapes(x, counts, (w_gate_local, w_up_local, w_down_local), num_experts, ep)
+    _check_shapes(x, counts, (w_gate_local, w_up_local, w_down_local, *(biases or ())), num_experts, ep)
     local_experts = num_experts // ep
     counts = counts.to(torch.int64)
 
@@ -117,7 +119,7 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
         0, destination, torch.arange(total_received, device=destination.device)
     )
     out_by_expert = swiglu(received[gather_order], received_counts.sum(0), w_gate_local, w_up_local,
-                                   w_down_local)
+                           w_down_local, **_variant(biases, glu))
     out_received = out_by_expert[destination]
 
     return collectives.all_to_all(out_received, send_splits, receive_splits, group)
@@ -142,7 +144,7 @@ def _local_slot_order(all_expert_ids: torch.Tensor, rank: int, local_experts: in
 def _gathered_slots_through_local_experts(all_x: torch.Tensor, all_ids: torch.Tensor, all_weights: torch.Tensor,
                                           w_gate_local: torch.Tensor, w_up_local: torch.Tensor,
                                           w_down_local: torch.Tensor, *, rank: int, local_experts: int,
-                                          swiglu) -> torch.Tensor:
+                                          swiglu, biases: ExpertBiases | None = None, glu=None) -> torch.Tensor:
     """The all-gather dispatch between its collectives, on the gathered tokens of every rank
     (`all_x` [tokens, embed], `all_ids` and `all_weights` [tokens, top_k]): [tokens, embed], each
     token's weighted sum over those of its slots that chose this rank's experts. Static shapes."""
@@ -152,7 +154,8 @@ def _gathered_slots_through_local_experts(all_x: torch.Tensor, all_ids: torch.Te
     # The slots past this rank's experts' are zeroed on the way in and out, so that neither their
     # values nor their gradients depend on what the kernel leaves there.
     hidden = torch.where(valid, all_x[order // top_k], 0)
-    out_sorted = torch.where(valid, swiglu(hidden, local_counts, w_gate_local, w_up_local, w_down_local), 0)
+    out_sorted = torch.where(valid, swiglu(hidden, local_counts, w_gate_local, w_up_local, w_down_local,
+                                           **_variant(biases, glu)), 0)
     # As `models.moe.combine`: weighted in fp32, back in slot order, summed over each token's k.
     weighted = out_sorted.float() * all_weights.flatten()[order, None]
     by_slot = torch.zeros_like(weighted).index_copy(0, order, weighted)
@@ -163,19 +166,21 @@ def expert_parallel_tokens_allgather(x: torch.Tensor, expert_ids: torch.Tensor, 
                                      w_gate_local: torch.Tensor, w_up_local: torch.Tensor,
                                      w_down_local: torch.Tensor, *, group: dist.ProcessGroup, num_experts: int,
                                      swiglu=grouped_swiglu,
-                                     through_local_experts=_gathered_slots_through_local_experts) -> torch.Tensor:
+                                     through_local_experts=_gathered_slots_through_local_experts,
+                                     biases: ExpertBiases | None = None, glu=None) -> torch.Tensor:
     """`ModelContext.experts_on_tokens` by all-gather and reduce-scatter (the module docstring):
     x [tokens, embed], expert_ids and weights [tokens, top_k] this rank's routed tokens; every rank
     of `group` must hold the same number of tokens. Returns [tokens, embed]: each token's weighted
     sum of its top-k experts' outputs. `through_local_experts` is the step between the collectives
     (`_gathered_slots_through_local_experts`, or a compiled version of it)."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    local_experts = _check_shapes(x, None, (w_gate_local, w_up_local, w_down_local), num_experts, ep)
+    local_experts = _check_shapes(x, None, (w_gate_local, w_up_local, w_down_local, *(biases or ())), num_experts,
+                                  ep)
     all_x = collectives.all_gather(x, group)
     all_ids = collectives.all_gather(expert_ids, group)
     all_weights = collectives.all_gather(weights, group)
     partial = through_local_experts(all_x, all_ids, all_weights, w_gate_local, w_up_local, w_down_local,
-                                    rank=rank, local_experts=local_experts, swiglu=swiglu)
+                                    rank=rank, local_experts=local_experts, swiglu=swiglu, **_variant(biases, glu))
     return collectives.reduce_scatter(partial, group)
 
 
@@ -236,12 +241,21 @@ def _compiled(fn, **options):
     return torch.compile(fn, **options)
 
 
-def _on_local_tensors(exchange, x, inputs: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
-    """`exchange(x, *inputs.values())` on this rank's tensors (the weights: its block of experts,
-    plain or DTensors sharded on dim 0 over the ep mesh dim; a DTensor `x`, activations laid out
-    over tp/cp, and what was computed from it: its local rows, this rank's tokens), the output
-    re-wrapped with x's layout."""
+def _variant(biases: ExpertBiases | None, glu) -> dict:
+    """The experts op's keywords for an expert variant (none for plain SwiGLU experts, so that an
+    experts function that takes no variants is called as before)."""
+    return {name: value for name, value in (("biases", biases), ("glu", glu)) if value is not None}
+
+
+def _on_local_tensors(exchange, x, inputs: dict[str, torch.Tensor], biases: ExpertBiases | None = None,
+                      **kwargs) -> torch.Tensor:
+    """`exchange(x, *inputs.values())` on this rank's tensors (the weights and `biases`: its block of
+    experts, plain or DTensors sharded on dim 0 over the ep mesh dim; a DTensor `x`, activations
+    laid out over tp/cp, and what was computed from it: its local rows, this rank's tokens), the
+    output re-wrapped with x's layout."""
     layout = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
+    if biases is not None:
+        kwargs["biases"] = ExpertBiases(*(_local(t, f"b_{name}") for name, t in zip(biases._fields, biases)))
     out = exchange(_local(x, "x"), *(_local(t, name) for name, t in inputs.items()), **kwargs)
     return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
 
@@ -259,7 +273,8 @@ def _local_swiglu(compile_experts: bool, fp8_experts, group: dist.ProcessGroup |
 @torch.compiler.disable
 def experts_over_group(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                        w_down: torch.Tensor, *, group: dist.ProcessGroup | None,
-                       compile_experts: bool = False, fp8_experts=None) -> torch.Tensor:
+                       compile_experts: bool = False, fp8_experts=None, biases: ExpertBiases | None = None,
+                       glu=None) -> torch.Tensor:
     """`ModelContext.experts` for a context that may have expert parallelism, outside compiled
     graphs (the module docstring says why); `compile_experts` compiles the local experts' SwiGLU.
     With no group or ep == 1 this is the single-device path unchanged; the global expert count is
@@ -267,16 +282,17 @@ def experts_over_group(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tens
     # Row counts differ every step: dynamic from the first compile.
     swiglu = _local_swiglu(compile_experts, fp8_experts, group, counts.shape[0], dynamic=True)
     if ep_size(group) == 1:
-        return swiglu(x, counts, w_gate, w_up, w_down)
+        return swiglu(x, counts, w_gate, w_up, w_down, **_variant(biases, glu))
     inputs = {"counts": counts, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
-    return _on_local_tensors(expert_parallel_swiglu, x, inputs, group=group, swiglu=swiglu, num_experts=counts.shape[0])
+    return _on_local_tensors(expert_parallel_swiglu, x, inputs, biases, group=group, swiglu=swiglu,
+                             num_experts=counts.shape[0], **_variant(None, glu))
 
 
 @torch.compiler.disable
 def experts_on_tokens_by_allgather(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                                    w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
                                    group: dist.ProcessGroup, compile_experts: bool = False,
-                                   fp8_experts=None) -> torch.Tensor:
+                                   fp8_experts=None, biases: ExpertBiases | None = None, glu=None) -> torch.Tensor:
     """`expert_parallel_tokens_allgather` on possibly-DTensor inputs. The local tensors are taken
     outside compiled graphs: traced inside the block, FSDP's gathered expert weights (DTensors)
     change requires_grad after the first step and the block compiles again. `compile_experts`
@@ -286,9 +302,9 @@ def experts_on_tokens_by_allgather(x: torch.Tensor, expert_ids: torch.Tensor, we
     # A DTensor weight has the global expert count as its shape; a plain one is this rank's block.
     num_experts = w_gate.shape[0] if isinstance(w_gate, DTensor) else w_gate.shape[0] * ep_size(group)
     inputs = {"expert_ids": expert_ids, "weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
-    return _on_local_tensors(expert_parallel_tokens_allgather, x, inputs, group=group, num_experts=num_experts,
+    return _on_local_tensors(expert_parallel_tokens_allgather, x, inputs, biases, group=group, num_experts=num_experts,
                              through_local_experts=local_step,
-                             swiglu=_local_swiglu(False, fp8_experts, group, num_experts))
+                             swiglu=_local_swiglu(False, fp8_experts, group, num_experts), **_variant(None, glu))
 
 
 class ExpertParallelContextMixin:
@@ -307,18 +323,28 @@ class ExpertParallelContextMixin:
         """The layer's FP8 experts (`parallel.te_experts.LayerExperts`), None where they are bf16."""
         return getattr(self.fp8_linear, "experts", None)
 
-    def experts_on_tokens(self, x, expert_ids, weights, w_gate, w_up, w_down):
-        if ep_size(self.ep_group) == 1 or self.ep_dispatch != "allgather":
-            return super().experts_on_tokens(x, expert_ids, weights, w_gate, w_up, w_down)
-        return experts_on_tokens_by_allgather(x, expert_ids, weights, w_gate, w_up, w_down, group=self.ep_group,
-                                              compile_experts=self.compile_experts, fp8_experts=self.fp8_experts)
+    def _check_fp8_takes(self, variant: dict) -> None:
+        if self.fp8_experts is not None and variant:
+            raise UserError("Transformer Engine's FP8 experts run plain SwiGLU without biases; these experts have "
+                            "biases or gpt-oss's clamped unit: drop --fp8-experts")
 
-    def experts(self, x, counts, w_gate, w_up, w_down):
+    def experts_on_tokens(self, x, expert_ids, weights, w_gate, w_up, w_down, *, biases=None, glu=None):
+        variant = _variant(biases, glu)
+        self._check_fp8_takes(variant)
+        if ep_size(self.ep_group) == 1 or self.ep_dispatch != "allgather":
+            return super().experts_on_tokens(x, expert_ids, weights, w_gate, w_up, w_down, **variant)
+        return experts_on_tokens_by_allgather(x, expert_ids, weights, w_gate, w_up, w_down, group=self.ep_group,
+                                              compile_experts=self.compile_experts, fp8_experts=self.fp8_experts,
+                                              **variant)
+
+    def experts(self, x, counts, w_gate, w_up, w_down, *, biases=None, glu=None):
+        variant = _variant(biases, glu)
+        self._check_fp8_takes(variant)
         if ep_size(self.ep_group) == 1 and self.fp8_experts is not None:
             # In the block's graph (a custom op), on the local tensors.
             inputs = {"counts": counts, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
             return _on_local_tensors(self.fp8_experts, x, inputs)
         if ep_size(self.ep_group) == 1:
-            return super().experts(x, counts, w_gate, w_up, w_down)
+            return super().experts(x, counts, w_gate, w_up, w_down, **variant)
         return experts_over_group(x, counts, w_gate, w_up, w_down, group=self.ep_group,
-                                  compile_experts=self.compile_experts, fp8_experts=self.fp8_experts)
+                                  compile_experts=self.compile_experts, fp8_experts=self.fp8_experts, **variant)

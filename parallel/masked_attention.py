@@ -78,13 +78,15 @@ def varlen_available(window: int | None) -> bool:
 
 
 def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype, whole_row: bool,
-                  window: int | None) -> str:
-    """The kernel of one site (the module docstring gives the rule)."""
+                  window: int | None, with_lse: bool = False) -> str:
+    """The kernel of one site (the module docstring gives the rule); `with_lse`: the attention
+    needs the log-sum-exp too (attention sinks), which the variable-length kernel does not give."""
     if requested not in ATTENTION_KERNELS:
         raise UserError(f"unknown --attention-kernel {requested!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
     if device.type != "cuda" or requested == "dense":
         return "dense"
-    varlen_fits = whole_row and dtype in (torch.bfloat16, torch.float16) and varlen_available(window)
+    varlen_fits = (whole_row and dtype in (torch.bfloat16, torch.float16) and varlen_available(window)
+                   and not with_lse)
     if requested in ("auto", "varlen") and varlen_fits:
         return "varlen"
     return "flex"

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from parallel import masked_attention
 from parallel.attention_blocks import (BLOCK_KERNELS, block_attention, block_attention_backward,
                                        choose_block_kernel, merge_into)
+from parallel.attention_sinks import merge_sinks, sinks_grad
 
 
 def ring_site(step: int) -> str:
@@ -58,7 +59,7 @@ class _RingAttention(torch.autograd.Function):
     K and V travel stacked as one [2, batch, seq, kv_heads, head_dim] tensor (only the kv heads)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, kernel, forms, scale):
+    def forward(ctx, q, k, v, group, kernel, forms, scale, sinks=None):
         ring, rank, cp_size = _RingShift(group), dist.get_rank(group), dist.get_world_size(group)
         half = q.shape[1] // 2
         kv = torch.stack([k, v])
@@ -87,14 +88,16 @@ class _RingAttention(torch.autograd.Function):
                 merge_into(out[:, half:], lse[:, :, half:], *block[:2])
             if pending is not None:
                 kv = ring.finish(pending)
+        if sinks is not None:  # once, on the merged result
+            out, lse = merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.kernel, ctx.state, ctx.forms, ctx.scale = group, kernel, state, forms, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         ring, rank, cp_size = _RingShift(ctx.group), dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
         half = q.shape[1] // 2
 
@@ -142,19 +145,22 @@ class _RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 kv = ring.finish(pending_kv)
         grad_k, grad_v = ring.finish(pending_grad_kv)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
+        grad_sinks = sinks_grad(grad_out, out, lse, sinks) if sinks is not None else None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, grad_sinks
 
 
 def ring_attention(q, k, v, group: dist.ProcessGroup, *, kernel: str | None = None,
-                   forms: dict | None = None, scale: float | None = None) -> torch.Tensor:
+                   forms: dict | None = None, scale: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced queries over the whole sequence, by the ring.
 
     q [batch, local_seq, heads, head_dim], k and v [batch, local_seq, kv_heads, head_dim] in
     `shard_sequence` order, local_seq even. kernel: one of BLOCK_KERNELS, or None for
     `choose_block_kernel(q)`; cuDNN and flash need CUDA, fp16/bf16 and a supported head_dim.
     forms: a mask's forms by `ring_site(step)`, for attention within documents or a window. `scale`
-    multiplies the scores (None: head_dim ** -0.5)."""
+    multiplies the scores (None: head_dim ** -0.5). `sinks` [heads]: attention sinks, merged once
+    after the ring's blocks (parallel/attention_sinks.py)."""
     kernel = kernel or choose_block_kernel(q)
     if kernel not in BLOCK_KERNELS:
         raise ValueError(f"unknown ring attention block kernel {kernel!r}; use one of {', '.join(BLOCK_KERNELS)}")
-    return _RingAttention.apply(q, k, v, group, kernel, forms, scale)
+    return _RingAttention.apply(q, k, v, group, kernel, forms, scale, sinks)

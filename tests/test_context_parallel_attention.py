@@ -1,5 +1,6 @@
 """dtrain's context-parallel attention (allgather, ring, a2a) against full causal attention of the
-unsplit sequence, plain and within documents and sliding windows (the dense mask on one device):
+unsplit sequence, plain and within documents, sliding windows and chunks, with and without attention
+sinks (the dense mask on one device):
 output and dq/dk/dv on every rank, fp32 on CPU with gloo, relative error <= 1e-5.
 One spawned process group per cp size runs every case (tests/workers/cp_attention.py).
 The ring's block kernels (out + log-sum-exp forward, backward from the merged out and lse) are checked

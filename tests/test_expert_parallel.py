@@ -1,5 +1,6 @@
 """Expert-parallel dispatch (parallel/expert_parallel.py) against the single-process experts: the
-output, d(x) and each rank's local expert-weight gradients on every rank, fp32 on CPU with gloo,
+output, d(x) and each rank's local expert-weight (and expert-bias) gradients on every rank, for
+Mixtral's, gpt-oss's and Llama 4's MoE layers, fp32 on CPU with gloo,
 relative error <= 1e-5. One spawned group of 4 processes runs every case for ep=4 and for two
 ep=2 groups (tests/workers/ep_dispatch.py). The exchange's collectives finish one at a time
 (issue 25); tests/test_collective_stress.py repeats the exchange hundreds of times."""
@@ -22,8 +23,9 @@ from tests.workers import ep_dispatch
 RTOL = 1e-5
 WORLD = 4
 EP_SIZES = (2, 4)
-RUNS = [f"ep{ep}/{case}" for ep in EP_SIZES
-        for case in (*ep_dispatch.CASES, "moe_forward_alltoall", "moe_forward_allgather")]
+MOE_FORWARDS = [f"moe_forward_{dispatch}{variant}" for dispatch in ("alltoall", "allgather")
+                for variant in ("", "_gpt_oss", "_llama4")]
+RUNS = [f"ep{ep}/{case}" for ep in EP_SIZES for case in (*ep_dispatch.CASES, *MOE_FORWARDS)]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,9 @@ def test_matches_all_experts_on_one_process_on_every_rank(rank_results, run):
     for rank, results in enumerate(rank_results):
         errors = results[run]
         token_case = "allgather" in run and "moe_forward" not in run  # also checks the routing weights' gradient
-        assert set(errors) == {"out", "dx", "dw_gate", "dw_up", "dw_down"} | ({"drouting"} if token_case else set())
+        biased = run.endswith("gpt_oss")  # the experts' biases, sharded with them, get their gradients too
+        assert set(errors) == ({"out", "dx", "dw_gate", "dw_up", "dw_down"} | ({"drouting"} if token_case else set())
+                               | ({"db_gate", "db_up", "db_down"} if biased else set()))
         for name, error in errors.items():
             assert error <= RTOL, f"rank {rank} {run}: {name} relative error {error:.2e}"
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models import llama, masking, spec
-from models.config import get_model_config
+from models.presets import get_model_config
 from models.context import LocalContext
 from models.errors import UserError
 

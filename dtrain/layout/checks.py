@@ -114,6 +114,10 @@ def _check_model_split(config: Config, model_cfg, mesh_spec: MeshSpec) -> None:
     if mesh_spec.ep > 1 and config.parallel.ep_dispatch == "allgather" and model_cfg.capacity_factor is not None:
         raise UserError(f"--ep-dispatch allgather sends every token to its experts and drops none; remove "
                         f"capacity_factor={model_cfg.capacity_factor} or use --ep-dispatch alltoall")
+    if (mesh_spec.ep > 1 and config.parallel.ep_dispatch == "allgather" and model_cfg.scale_expert_inputs
+            and model_cfg.top_k > 1):
+        raise UserError(f"--ep-dispatch allgather sends each token once, but with scale_expert_inputs each of its "
+                        f"top_k={model_cfg.top_k} experts sees it scaled by its own weight; use --ep-dispatch alltoall")
     if is_moe and tp > 1 and d.seq_len % tp:
         raise UserError(f"--seq-len {d.seq_len} is not divisible by tp={tp}: MoE layers split the tokens over tp; "
                         f"use a multiple of {tp}")
@@ -200,6 +204,9 @@ def check_experts(settings, model_cfg) -> None:
                         "--fp8 RECIPE --fp8-backend te with it")
     if settings.fp8_experts and not isinstance(model_cfg, MoEConfig):
         raise UserError("--fp8-experts: this model has no routed experts; drop the flag")
+    if settings.fp8_experts and (model_cfg.expert_bias or model_cfg.expert_glu is not None):
+        raise UserError("--fp8-experts: Transformer Engine's FP8 experts run plain SwiGLU without biases, and this "
+                        "model's experts have biases or gpt-oss's clamped unit; drop the flag (they run in bf16)")
 
 
 def _matmul_widths(model_cfg, tp: int, head: bool) -> list[int]:

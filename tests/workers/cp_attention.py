@@ -26,6 +26,7 @@ class Case(NamedTuple):
     head_dim: int
     v_head_dim: int | None = None  # values of a head dim of their own (MLA)
     scale: float | None = None     # the scores' scale (None: head_dim ** -0.5)
+    sinks: bool = False            # a sink logit per head (gpt-oss)
 
 
 CASES = {
@@ -35,6 +36,7 @@ CASES = {
     "mqa": Case(1, 16, 4, 1, 8),
     # DeepSeek's shapes in small: q/k head dim 24 (16 + 8 rotary), values 16, a YaRN-scaled softmax.
     "mla": Case(2, 16, 4, 4, 24, v_head_dim=16, scale=0.27),
+    "gqa_sinks": Case(2, 16, 4, 2, 8, sinks=True),
 }
 
 
@@ -49,6 +51,8 @@ MASKED_CASES = {
     # Chunks of absolute positions (Llama 4), alone and within documents: most ring blocks are skipped.
     "chunks": (Case(1, 32, 4, 2, 8), [[32]], None, 8),
     "documents_chunks": (Case(2, 32, 4, 2, 8), [[3, 20, 9], [12, 12, 8]], None, 10),
+    # gpt-oss's windowed layers: sinks on a window within documents.
+    "window_sinks": (Case(2, 32, 4, 2, 8, sinks=True), [[3, 20, 9], [32]], 6, None),
 }
 
 
@@ -74,9 +78,11 @@ def _check_case(case: Case, seed, method, group, cp, rank, device="cpu", dtype=t
     """`masked`: (document ids [batch, seq], window, chunk) for attention within documents, the
     window and the chunks."""
     q, k, v, grad = _random_inputs(case, seed, device, dtype)
+    sinks = torch.randn(case.heads, generator=torch.Generator().manual_seed(seed + 100)).to(device) if case.sinks else None
     # The reference is fp32 math attention of the same (possibly bf16-rounded) inputs, on one device
     # with the dense mask (LocalContext's meaning).
     full = [t.detach().to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]
+    full_sinks = sinks.clone().requires_grad_() if case.sinks else None
     reference_mask = global_mask = None
     if masked is not None:
         reference_mask = LocalContext().attention_mask(*masked)
@@ -88,17 +94,24 @@ def _check_case(case: Case, seed, method, group, cp, rank, device="cpu", dtype=t
             document_ids, window, sites,
             lambda whole_row: masked_attention.choose_kernel("auto", torch.device(device), dtype, whole_row, window),
             torch.device(device), chunk=chunk)
-    reference = causal_attention(*full, reference_mask, case.scale)
+    reference = causal_attention(*full, reference_mask, case.scale, full_sinks)
     reference.backward(grad.float())
     expected = {"out": reference.detach(), "dq": full[0].grad, "dk": full[1].grad, "dv": full[2].grad}
 
     local = [shard_sequence(t, cp, rank).requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*local, group=group, method=method, mask=global_mask, scale=case.scale)
+    local_sinks = sinks.clone().requires_grad_() if case.sinks else None
+    out = context_parallel_attention(*local, group=group, method=method, mask=global_mask, scale=case.scale,
+                                     sinks=local_sinks)
     out.backward(shard_sequence(grad, cp, rank).contiguous())
     actual = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
-    return {
+    errors = {
         name: _relative_error(actual[name].float(), shard_sequence(expected[name], cp, rank)) for name in expected
     }
+    if case.sinks:  # each rank's share of the sinks' gradient, summed over the group as data parallelism does
+        grad_sinks = local_sinks.grad.clone()
+        dist.all_reduce(grad_sinks, group=group)
+        errors["dsinks"] = _relative_error(grad_sinks.float(), full_sinks.grad)
+    return errors
 
 
 def _user_error(*shape_and_method, group) -> str | None:

@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from models import moe
+from models import moe, spec
 from models.config import MoEConfig
+from models.family_configs import GptOssConfig, Llama4Config
 from models.context import LocalContext, grouped_swiglu
 from models.errors import UserError
 from parallel.expert_parallel import (ExpertParallelContextMixin, expert_parallel_swiglu,
@@ -187,34 +188,43 @@ def _check_token_case(case: str, seed: int, mesh, rank: int) -> dict[str, float]
                    for name, actual, expected in zip(("w_gate", "w_up", "w_down"), dw, ref_dw)})
     return errors
 
-def _check_moe_forward(seed: int, mesh, rank: int, dispatch: str) -> dict[str, float]:
+# The MoE layer's variants: Mixtral's, gpt-oss's (biased experts with the clamped SwiGLU, a biased
+# router) and Llama 4's (sigmoid top-1 whose score scales the expert's input).
+MOE_VARIANTS = {
+    "plain": (MoEConfig, {"top_k": 2}),
+    "gpt_oss": (GptOssConfig, {"top_k": 2}),
+    "llama4": (Llama4Config, {"num_shared_experts": 0}),
+}
+
+
+def _check_moe_forward(seed: int, mesh, rank: int, dispatch: str, variant: str = "plain") -> dict[str, float]:
     """The whole MoE layer (routing, dispatch, combine, aux loss) with the expert-parallel context;
     uneven token counts over ranks for the all-to-all."""
     group, ep = mesh.get_group(), mesh.size()
-    cfg = MoEConfig(dim=EMBED, num_layers=1, num_heads=2, num_kv_heads=2, vocab_size=32,
-                    num_experts=NUM_EXPERTS, top_k=2, expert_ffn_dim=MLP)
+    config_cls, fields = MOE_VARIANTS[variant]
+    cfg = config_cls(dim=EMBED, num_layers=1, num_heads=2, num_kv_heads=2, vocab_size=32, num_experts=NUM_EXPERTS,
+                     expert_ffn_dim=MLP, **fields)
     generator = torch.Generator().manual_seed(seed)
-    router = torch.randn(NUM_EXPERTS, EMBED, generator=generator).to(_device)
-    experts = {name: (torch.randn(shape, generator=generator) * 0.3).to(_device) for name, shape in
-               (("w_gate", (NUM_EXPERTS, MLP, EMBED)), ("w_up", (NUM_EXPERTS, MLP, EMBED)),
-                ("w_down", (NUM_EXPERTS, EMBED, MLP)))}
+    params = {name: (torch.randn(s.shape, generator=generator) * (0.3 if s.std else 1.0) + (0.1 if not s.std else 0))
+              .to(_device) for name, s in spec.flatten(moe.moe_params(cfg, 1.0, 1.0))}
     tokens = [tuple(torch.randn(2, 3 + (r if dispatch == "alltoall" else 0), EMBED, generator=generator).to(_device)
                     for _ in range(2)) for r in range(ep)]
-    full = {name: w.clone().requires_grad_() for name, w in experts.items()}
+    full = {name: w.clone().requires_grad_() for name, w in params.items()}
     for r, (x, grad) in enumerate(tokens):
         x = x.clone().requires_grad_()
-        out = moe.moe_forward({"router": router, "experts": full}, x, cfg, LocalContext())
+        out = moe.moe_forward(spec.unflatten(full), x, cfg, LocalContext())
         (out * grad).sum().backward()
         if r == rank:
             ref_out, ref_dx = out.detach(), x.grad
 
     block = slice(rank * NUM_EXPERTS // ep, (rank + 1) * NUM_EXPERTS // ep)
-    local = {name: w[block].clone().requires_grad_() for name, w in experts.items()}
+    local = {name: (w[block] if name.startswith("experts.") else w).clone().requires_grad_() for name, w in params.items()}
     x, grad = tokens[rank][0].clone().requires_grad_(), tokens[rank][1]
-    out = moe.moe_forward({"router": router, "experts": local}, x, cfg, _ExpertParallelContext(group, dispatch))
+    out = moe.moe_forward(spec.unflatten(local), x, cfg, _ExpertParallelContext(group, dispatch))
     (out * grad).sum().backward()
     errors = {"out": _relative_error(out.detach(), ref_out), "dx": _relative_error(x.grad, ref_dx)}
-    errors.update({f"d{name}": _relative_error(local[name].grad, full[name].grad[block]) for name in experts})
+    errors.update({f"d{name.removeprefix('experts.')}": _relative_error(local[name].grad, full[name].grad[block])
+                   for name in params if name.startswith("experts.")})
     return errors
 
 
@@ -263,6 +273,9 @@ def main(rank: int, out_dir: str, device: str = "cpu") -> None:
             results[f"ep{ep}/{case}"] = check(case, seed + index, mesh, group_rank)
         for dispatch in ("alltoall", "allgather"):
             results[f"ep{ep}/moe_forward_{dispatch}"] = _check_moe_forward(seed + 9, mesh, group_rank, dispatch)
+            for variant in ("gpt_oss", "llama4"):
+                results[f"ep{ep}/moe_forward_{dispatch}_{variant}"] = _check_moe_forward(seed + 9, mesh, group_rank,
+                                                                                          dispatch, variant)
     results["errors"] = _user_errors(mesh_2d)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
