@@ -33,7 +33,7 @@ def mtp_depth(cfg: LlamaConfig | MoEConfig) -> int:
 
 
 def matmul_params(cfg: LlamaConfig | MoEConfig) -> int:
-    """Parameters that take part in a matmul per token: every 2-D weight except the input
+    """Parameters that take part in a matmul per token: every matrix (spec.is_matmul_weight) except the input
     embedding; the output head counts, also when it is tied to the embedding, and once more for
     each multi-token prediction module, which runs it on its own hidden states (their embedding
     lookups are not matmuls). For MoE only the active experts count; the router (a matmul over all
@@ -42,7 +42,7 @@ def matmul_params(cfg: LlamaConfig | MoEConfig) -> int:
     for layer in families.layers(cfg):
         if layer.name == "embed":
             continue
-        total += sum(_active_size(s, cfg) for _, s in spec.flatten(layer.params) if len(s.shape) >= 2)
+        total += sum(_active_size(s, cfg) for _, s in spec.flatten(layer.params) if spec.is_matmul_weight(s))
     head_uses_not_in_specs = int(cfg.tie_embeddings) + mtp_depth(cfg)
     return total + head_uses_not_in_specs * cfg.vocab_size * cfg.dim
 

@@ -93,6 +93,6 @@ def run(model_layers: list[spec.Layer], aux_of, params: dict[str, Any], tokens: 
 
 
 def is_expert_weight(param: spec.ParamSpec) -> bool:
-    """A stacked weight of all routed experts, of which a token uses only top_k slices."""
-    return len(param.shape) == 3 and param.axes[0] == "expert"
+    """A stacked weight (or bias) of all routed experts, of which a token uses only top_k slices."""
+    return param.axes[0] == "expert"
 

@@ -165,14 +165,22 @@ PRESETS: dict[str, LlamaConfig | MoEConfig] = {
     # Llama 4 (text): chunked attention on RoPE layers, every fourth layer NoPE, sigmoid top-1
     # experts beside a shared one. CPU tests: chunks of 16, the temperature from position 31 on,
     # Scout's RoPE scaling, the bundled tokenizer's vocabulary. Counts in tests/test_llama4.py.
+    # Dense and MoE blocks alternating (Maverick's), with Scout's qk-norm.
     "tiny-llama4": Llama4Config(
         dim=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=2048, num_experts=4,
-        expert_ffn_dim=64, dense_ffn_dim=128, attention_chunk=16, floor_scale=32,
+        expert_ffn_dim=64, dense_ffn_dim=128, moe_layer_step=2, attention_chunk=16, floor_scale=32,
         rope_theta=500000.0, rope_scaling=_SCOUT_ROPE,
     ),
+    # Every block MoE.
     "llama4-scout-17b-16e": Llama4Config(
         dim=5120, num_layers=48, num_heads=40, num_kv_heads=8, head_dim=128, vocab_size=202048,
         num_experts=16, expert_ffn_dim=8192, dense_ffn_dim=16384, rope_theta=500000.0, rope_scaling=_SCOUT_ROPE,
+    ),
+    # MoE on every second block, no qk-norm, plain RoPE.
+    "llama4-maverick-17b-128e": Llama4Config(
+        dim=5120, num_layers=48, num_heads=40, num_kv_heads=8, head_dim=128, vocab_size=202048,
+        num_experts=128, expert_ffn_dim=8192, dense_ffn_dim=16384, moe_layer_step=2, qk_l2_norm=False,
+        rope_theta=500000.0,
     ),
 }
 

@@ -46,6 +46,12 @@ def ones(shape: tuple[int, ...], axes: tuple[str, ...]) -> ParamSpec:
     return ParamSpec(tuple(shape), tuple(axes), "ones", 0.0, weight_decay=False)
 
 
+def is_matmul_weight(param: ParamSpec) -> bool:
+    """A matrix that tokens are multiplied by: 2-D, or 3-D with one per routed expert; biases
+    (also the experts' [expert, width] ones), norms and sinks are not."""
+    return len(param.shape) - (param.axes[0] == "expert") == 2
+
+
 def zeros(shape: tuple[int, ...], axes: tuple[str, ...]) -> ParamSpec:
     """Zeros (a normal of std 0), never decayed: a bias."""
     return ParamSpec(tuple(shape), tuple(axes), "normal", 0.0, weight_decay=False)

@@ -195,7 +195,7 @@ def stage_layers(layers: list[spec.Layer], counts: list[int], stage: int) -> lis
 
 def _matmul_params(layer: spec.Layer, expert_share: float) -> float:
     return sum(math.prod(s.shape) * (expert_share if mixtral.is_expert_weight(s) else 1.0)
-               for _, s in spec.flatten(layer.params) if len(s.shape) >= 2)
+               for _, s in spec.flatten(layer.params) if spec.is_matmul_weight(s))
 
 
 def block_costs(layers: list[spec.Layer], expert_share: float = 1.0) -> list[float]:

@@ -1,4 +1,4 @@
-"""Hugging Face Llama, Mixtral and DeepSeek-V3 checkpoints <-> dtrain checkpoints.
+"""Hugging Face Llama, Mixtral, DeepSeek-V3, gpt-oss and Llama 4 checkpoints <-> dtrain checkpoints.
 
     python -m tools.hf_convert import HF_DIR RUN_DIR/checkpoints/step_000000
     python -m tools.hf_convert export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype bf16]
@@ -31,6 +31,7 @@ from dtrain.checkpoint import reader
 from dtrain.checkpoint import storage as ckpt
 from dtrain.interop import hf
 from models.config import DeepSeekConfig, LlamaConfig, MoEConfig, RopeScaling, YarnScaling
+from models.family_configs import GptOssConfig, Llama4Config
 from models.errors import UserError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,12 +102,15 @@ def _model_config(shape: dict[str, Any]) -> LlamaConfig | MoEConfig | DeepSeekCo
     scaling = shape.get("rope_scaling")
     if scaling is not None:
         shape["rope_scaling"] = (YarnScaling if "beta_fast" in scaling else RopeScaling)(**scaling)
-    kind = DeepSeekConfig if "kv_lora_rank" in shape else MoEConfig if "num_experts" in shape else LlamaConfig
+    # Each class by a field only it has (its subclasses' first).
+    kinds = [(DeepSeekConfig, "kv_lora_rank"), (GptOssConfig, "swiglu_limit"), (Llama4Config, "qk_l2_norm"),
+             (MoEConfig, "num_experts")]
+    kind = next((cls for cls, field in kinds if field in shape), LlamaConfig)
     try:
         return kind(**shape)
     except TypeError:
-        raise UserError(f"a checkpoint of model shape {sorted(shape)} is neither a Llama, an MoE nor a DeepSeek "
-                        f"model; it cannot be exported") from None
+        raise UserError(f"a checkpoint of model shape {sorted(shape)} is none of dtrain's model families (Llama, "
+                        f"MoE, DeepSeek, gpt-oss, Llama 4); it cannot be exported") from None
 
 
 def _find_checkpoint(path: str | Path) -> tuple[Path, bool]:

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import attrs
 import torch
 
-from models.config import LlamaConfig, MoEConfig, RopeScaling
+from models.config import LlamaConfig, MoEConfig, RopeScaling, YarnScaling
 from models.errors import UserError
 
 # (HF name pattern, dtrain name template); `{i}` is the layer index. What every family shares:
@@ -86,33 +86,65 @@ def map_name(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
 
 @attrs.frozen
 class Piece:
-    """Where (part of) a dtrain parameter lies in an HF checkpoint: a whole tensor; expert
-    `expert`'s [out, in] matrix of a stacked [E, out, in] parameter; or the first (`half`=0) or
-    second half of dim 1 of a fused [E, 2F, D] tensor. `rope_rows` (period, start, width): in every
-    `period` rows, rows start .. start + width - 1 are a RoPE projection whose pairs the checkpoint
-    interleaves ((x0, x1), (x2, x3) ...) where dtrain's rotate-half RoPE pairs x_j with x_{j+width/2}."""
+    """Where (part of) a dtrain parameter lies in an HF checkpoint.
+
+    Reading, the HF tensor goes through these steps in order (export undoes them in reverse):
+    - `expert`: expert j's [out, in] matrix of a stacked [E, out, in] parameter (one HF tensor per expert);
+    - `scales`: the tensor is MXFP4 (`hf_name` its blocks, `scales` its scales' name), dequantized
+      to [..., out, in] (read-only: an export writes the unquantized form);
+    - `half`: the first (0) or second (1) half of dim `split_dim` of a fused tensor: contiguous, or
+      with `interleaved` every second row from `half` on (gpt-oss's gate/up columns);
+    - `transposed`: the HF tensor is [..., in, out] (x @ W) where dtrain's is [..., out, in];
+    - `rope_rows` (period, start, width): in every `period` rows, rows start .. start + width - 1
+      are a RoPE projection whose pairs the checkpoint interleaves ((x0, x1), (x2, x3) ...) where
+      dtrain's rotate-half RoPE pairs x_j with x_{j+width/2}."""
 
     hf_name: str
     expert: int | None = None
     half: int | None = None
     rope_rows: tuple[int, int, int] | None = None
+    split_dim: int = 1
+    interleaved: bool = False
+    transposed: bool = False
+    scales: str | None = None
+
+    def hf_names(self) -> tuple[str, ...]:
+        """The HF tensors this piece reads."""
+        return (self.hf_name,) if self.scales is None else (self.hf_name, self.scales)
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The HF tensor's shape, for a dtrain parameter of `shape`."""
-        if self.expert is not None:
-            return tuple(shape[1:])
+        """The HF tensor's shape (the dequantized one for MXFP4), for a dtrain parameter of `shape`."""
+        shape = list(shape[1:] if self.expert is not None else shape)
+        if self.transposed:
+            shape[-1], shape[-2] = shape[-2], shape[-1]
         if self.half is not None:
-            return (shape[0], 2 * shape[1], *shape[2:])
+            shape[self.split_dim] *= 2
         return tuple(shape)
 
     def to_dtrain(self, value: torch.Tensor) -> torch.Tensor:
-        """The HF tensor in dtrain's row order (the same tensor where the orders agree)."""
+        """The whole HF tensor (dequantized) as this piece of the dtrain parameter."""
+        if self.half is not None:
+            value = value.movedim(self.split_dim, 0)
+            rows = value.shape[0] // 2
+            value = value[self.half::2] if self.interleaved else value[self.half * rows:(self.half + 1) * rows]
+            value = value.movedim(0, self.split_dim)
+        if self.transposed:
+            value = value.transpose(-1, -2)
         return value if self.rope_rows is None else value[_rope_order(value.shape[0], *self.rope_rows)]
 
     def to_hf(self, value: torch.Tensor) -> torch.Tensor:
-        if self.rope_rows is None:
-            return value
-        return value[torch.argsort(_rope_order(value.shape[0], *self.rope_rows))]
+        """This piece of a dtrain parameter in the HF tensor's order (a half's own part of it,
+        which `join_halves` puts together with the other half)."""
+        if self.rope_rows is not None:
+            value = value[torch.argsort(_rope_order(value.shape[0], *self.rope_rows))]
+        return value.transpose(-1, -2).contiguous() if self.transposed else value
+
+
+def join_halves(first: torch.Tensor, second: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The fused HF tensor of its two halves (each as `Piece.to_hf` gives it)."""
+    if not piece.interleaved:
+        return torch.cat([first, second], dim=piece.split_dim)
+    return torch.stack([first, second], dim=piece.split_dim + 1).flatten(piece.split_dim, piece.split_dim + 1)
 
 
 def _rope_order(rows: int, period: int, start: int, width: int) -> torch.Tensor:
@@ -127,6 +159,7 @@ class HFFamily:
     checkpoints (which may come in several tensor layouts)."""
 
     model_type: str
+    also_reads: tuple[str, ...] = ()  # other model_types whose checkpoints it reads (an export writes model_type)
     architecture: str
     title: str
     config_cls: type
@@ -175,52 +208,85 @@ class HFFamily:
 
 
 def common_config_from_hf(hf: dict[str, Any], source: str, title: str, *, default_theta: float,
-                          default_eps: float) -> dict[str, Any]:
+                          default_eps: float, attention_bias: bool = False, yarn: bool = False) -> dict[str, Any]:
     """The config fields every family shares (the legacy `rope_theta`/`rope_scaling` keys or the
-    newer `rope_parameters`), after checking what dtrain's attention cannot do."""
-    unsupported = {key: hf.get(key) for key, ok in (("hidden_act", "silu"), ("attention_bias", False),
-                                                    ("mlp_bias", False)) if hf.get(key, ok) != ok}
+    newer `rope_parameters`), after checking what dtrain's attention cannot do; `attention_bias`
+    and `yarn`: the family may have attention biases (read as such) and YaRN."""
+    checks = [("hidden_act", "silu"), ("mlp_bias", False)] + ([] if attention_bias else [("attention_bias", False)])
+    unsupported = {key: hf.get(key) for key, ok in checks if hf.get(key, ok) != ok}
     if unsupported:
-        raise UserError(f"{source}: {unsupported} differ from dtrain's {title} (silu, no biases); "
-                        f"this checkpoint cannot be imported")
+        raise UserError(f"{source}: {unsupported} differ from dtrain's {title} (silu, no "
+                        f"{'MLP ' if attention_bias else ''}biases); this checkpoint cannot be imported")
     heads = hf["num_attention_heads"]
     # Kept only where it says more than hidden_size / num_attention_heads, so that a model of
     # plain heads follows its dim as the presets do.
     head_dim = hf.get("head_dim")
     if head_dim == hf["hidden_size"] // heads and hf["hidden_size"] % heads == 0:
         head_dim = None
+    theta, scaling = rope_from_hf(hf, source, default_theta, yarn)
+    fields = dict(
+        dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, vocab_size=hf["vocab_size"],
+        rope_theta=theta, rope_scaling=scaling,
+        norm_eps=float(hf.get("rms_norm_eps", default_eps)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+    if attention_bias:
+        fields["attention_bias"] = bool(hf.get("attention_bias", False))
+    return fields
+
+
+def rope_from_hf(hf: dict[str, Any], source: str, default_theta: float,
+                 yarn: bool = False) -> tuple[float, RopeScaling | YarnScaling | None]:
+    """RoPE's theta and scaling from `rope_parameters` (transformers >= 5) or the legacy
+    `rope_theta`/`rope_scaling` keys: the default, llama3's and (where `yarn`) YaRN's."""
     rope = dict(hf.get("rope_parameters") or {})
     if not rope:
         rope = dict(hf.get("rope_scaling") or {})
         rope.setdefault("rope_theta", hf.get("rope_theta", default_theta))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise UserError(f"{source}: rope type {rope_type!r} is not supported; dtrain has the default and "
-                        f"'llama3' RoPE scalings")
-    scaling = None
+    known = ("default", "llama3", "yarn") if yarn else ("default", "llama3")
+    if rope_type not in known:
+        raise UserError(f"{source}: rope type {rope_type!r} is not supported; dtrain reads {', '.join(map(repr, known))} "
+                        f"RoPE scalings here")
+    theta = float(rope["rope_theta"])
     if rope_type == "llama3":
-        scaling = RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                              high_freq_factor=float(rope["high_freq_factor"]),
-                              original_max_seq_len=int(rope["original_max_position_embeddings"]))
-    return dict(
-        dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, vocab_size=hf["vocab_size"],
-        rope_theta=float(rope["rope_theta"]), rope_scaling=scaling,
-        norm_eps=float(hf.get("rms_norm_eps", default_eps)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
+        return theta, RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                                  high_freq_factor=float(rope["high_freq_factor"]),
+                                  original_max_seq_len=int(rope["original_max_position_embeddings"]))
+    if rope_type == "yarn":
+        if rope.get("attention_factor") is not None:
+            raise UserError(f"{source}: YaRN with an explicit attention_factor={rope['attention_factor']} is not "
+                            f"supported; dtrain derives it from factor, mscale and mscale_all_dim")
+        return theta, YarnScaling(
+            factor=float(rope["factor"]), original_max_seq_len=int(rope["original_max_position_embeddings"]),
+            beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+            mscale=float(rope.get("mscale") or 0.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+            truncate=bool(rope.get("truncate", True)))
+    return theta, None
+
+
+def rope_to_hf(theta: float, scaling: RopeScaling | YarnScaling | None) -> dict[str, Any]:
+    """transformers' `rope_parameters` of RoPE with `scaling`."""
+    if isinstance(scaling, YarnScaling):
+        return {"rope_type": "yarn", "rope_theta": theta, "factor": scaling.factor,
+                "original_max_position_embeddings": scaling.original_max_seq_len, "beta_fast": scaling.beta_fast,
+                "beta_slow": scaling.beta_slow, "truncate": scaling.truncate,
+                **({"mscale": scaling.mscale} if scaling.mscale else {}),
+                **({"mscale_all_dim": scaling.mscale_all_dim} if scaling.mscale_all_dim else {})}
+    if scaling is not None:
+        return {"rope_type": "llama3", "rope_theta": theta, "factor": scaling.factor,
+                "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_seq_len}
+    return {"rope_type": "default", "rope_theta": theta}
 
 
 def common_config_to_hf(cfg: LlamaConfig | MoEConfig, dtype: torch.dtype, base: dict[str, Any] | None,
                         max_positions: int, **fields: Any) -> dict[str, Any]:
     """HF's config.json: the shared fields, RoPE and dtype, plus the family's `fields`; `base`
     (the config an import came from) keeps its other keys."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    rope = rope_to_hf(cfg.rope_theta, cfg.rope_scaling)
     if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_seq_len}
-        max_positions = int(s.original_max_seq_len * s.factor)
+        max_positions = int(cfg.rope_scaling.original_max_seq_len * cfg.rope_scaling.factor)
     out = dict(base or {"max_position_embeddings": max_positions})
     out.update(
         hidden_size=cfg.dim, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,

@@ -18,7 +18,8 @@ from typing import Any
 import attrs
 import torch
 
-from dtrain.interop.family import CONFIG_TYPES, HFFamily, Piece, check_config_types
+from dtrain.interop import mxfp4
+from dtrain.interop.family import CONFIG_TYPES, HFFamily, Piece, check_config_types, join_halves
 from models import families, spec
 from models.config import LlamaConfig, MoEConfig
 from models.errors import UserError
@@ -42,7 +43,8 @@ def hf_families() -> dict[str, HFFamily]:
     for info in pkgutil.iter_modules(package.__path__):
         family = getattr(importlib.import_module(f"{__package__}.{info.name}"), "FAMILY", None)
         if family is not None:
-            found[family.model_type] = family
+            for model_type in (family.model_type, *family.also_reads):
+                found[model_type] = family
     return found
 
 
@@ -142,7 +144,7 @@ class HFCheckpoint:
         self.layout = self.family.layout(present, self.raw_config)
         self.shapes = param_shapes(self.config)
         self.pieces = {name: self.family.pieces(name, self.config, self.layout) for name in self.shapes}
-        expected = list(dict.fromkeys(p.hf_name for pieces in self.pieces.values() for p in pieces))
+        expected = list(dict.fromkeys(name for pieces in self.pieces.values() for p in pieces for name in p.hf_names()))
         # Some tied exports also write the (identical) output matrix.
         allowed = set(expected) | ({"lm_head.weight"} if self.config.tie_embeddings else set())
         missing = [name for name in expected if name not in self.files]
@@ -182,24 +184,26 @@ class HFCheckpoint:
                         f"with safetensors (save_pretrained(..., safe_serialization=True))")
 
     def _read(self, piece: Piece, shape: tuple[int, ...]) -> torch.Tensor:
+        """The whole HF tensor of `piece` (dequantized where it is MXFP4), its shape and values checked."""
         file = self.files[piece.hf_name]
-        with _open_safetensors(file) as f:
-            try:
-                view = f.get_slice(piece.hf_name)
-            except Exception:  # safetensors' error for a name the file does not hold
-                raise UserError(f"{self.path / INDEX_FILE} places {piece.hf_name} in {file.name}, which does not "
-                                f"hold it; re-download or re-save the checkpoint") from None
-            expected = piece.hf_shape(shape)
-            if tuple(view.get_shape()) != expected:
-                raise UserError(f"{file}: {piece.hf_name} has shape {list(view.get_shape())} but config.json "
-                                f"implies {list(expected)}")
-            if piece.half is None:
-                value = f.get_tensor(piece.hf_name)
-            else:
-                rows = shape[1]
-                value = view[:, piece.half * rows:(piece.half + 1) * rows]
+        value = self._read_stored(piece.hf_name)
+        if piece.scales is not None:
+            value = mxfp4.dequantize(value, self._read_stored(piece.scales))
+        expected = piece.hf_shape(shape)
+        if tuple(value.shape) != expected:
+            raise UserError(f"{file}: {piece.hf_name} has shape {list(value.shape)} but config.json implies "
+                            f"{list(expected)}")
         _check_values(value, piece.hf_name, file)
         return value
+
+    def _read_stored(self, hf_name: str) -> torch.Tensor:
+        file = self.files[hf_name]
+        with _open_safetensors(file) as f:
+            try:
+                return f.get_tensor(hf_name)
+            except Exception:  # safetensors' error for a name the file does not hold
+                raise UserError(f"{self.path / INDEX_FILE} places {hf_name} in {file.name}, which does not "
+                                f"hold it; re-download or re-save the checkpoint") from None
 
     def tensor(self, name: str) -> torch.Tensor:
         """One parameter by dtrain name, in the checkpoint's dtype (experts stacked as dtrain keeps them)."""
@@ -257,18 +261,26 @@ def save_hf(params: dict[str, torch.Tensor], cfg: LlamaConfig | MoEConfig, out_d
     try:
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
+        halves: dict[str, dict[int, torch.Tensor]] = {}  # fused HF tensors waiting for their other half
         for name, value in params.items():
             value = value.detach().to("cpu", dtype)
             for index, piece in enumerate(family.pieces(name, cfg, layout)):
                 # A clone per expert, and per copy of a shared weight: safetensors refuses tensors that share memory.
                 part = value[piece.expert].clone() if piece.expert is not None else value.contiguous()
                 part = piece.to_hf(part.clone() if index else part)
+                if piece.half is not None:
+                    halves.setdefault(piece.hf_name, {})[piece.half] = part
+                    if len(halves[piece.hf_name]) < 2:
+                        continue
+                    both = halves.pop(piece.hf_name)
+                    part = join_halves(both[0], both[1], piece)
                 nbytes = part.numel() * part.element_size()
                 if shards[-1] and size + nbytes > max_shard_bytes:
                     shards.append({})
                     size = 0
                 shards[-1][piece.hf_name] = part
                 size += nbytes
+        assert not halves, f"fused tensors with one half only: {sorted(halves)}"
         if len(shards) == 1:
             save_file(shards[0], tmp / SINGLE_FILE, metadata=EXPORT_METADATA)
         else:

@@ -260,7 +260,7 @@ def _tables(model_cfg, tp: int, ep: int, dp_shard: int, cp: int, sequence_parall
     for kind, layer in layer_of_kind.items():
         units_by_kind[kind] = _block_units(layer, plan, mesh_spec)
         weights_by_kind[kind] = tuple((plan.gathered_shape(param.shape, param.axes), mixtral.is_expert_weight(param),
-                                       param.axes) for _, param in spec.flatten(layer.params) if len(param.shape) >= 2)
+                                       param.axes) for _, param in spec.flatten(layer.params) if spec.is_matmul_weight(param))
     return (plan, kinds, units_by_kind, weights_by_kind, _unit(layers[0].params, plan, mesh_spec),
             _unit(layers[-1].params, plan, mesh_spec))
 
