@@ -172,7 +172,7 @@ def test_broken_hf_directories_are_clear_errors(tmp_path):
     config = json.loads((tmp_path / "other" / "config.json").read_text())
     (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(UserError, match="model_type 'gpt2' is not supported; dtrain imports 'deepseek_v3', .*'llama', "
-                                        "'mixtral', .*'qwen3' and 'qwen3_moe'"):
+                                        ".*'mixtral', .*'qwen3' and 'qwen3_moe'"):
         hf.HFCheckpoint(tmp_path / "other")
     # Llama weights under a Mixtral config.json.
     (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 4,
