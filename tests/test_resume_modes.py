@@ -54,18 +54,18 @@ def test_resume_auto_starts_a_run_that_never_saved_at_step_zero(tmp_path, run):
     assert code == 0 and "at step 2" in out, out + err
 
 
+@pytest.mark.parametrize("resume,shown", [(["--resume"], "latest"), (["--resume", "auto"], "auto")],
+                         ids=["latest", "auto"])
 def test_a_restart_that_finds_only_corrupt_checkpoints_stops_every_time_unless_told_to_start_over(
-        reference, tmp_path, run):
+        reference, tmp_path, run, resume, shown):
     run_dir = _corrupt_run(reference, tmp_path)
     checkpoints = run_dir / ckpt.CHECKPOINTS
     for attempt in range(2):  # the first attempt sets them aside; the second must not start at 0
-        code, out, err = run(run_dir, ["--resume", "auto"])
+        code, out, err = run(run_dir, resume)
+        assert "step 1/" not in out, (attempt, out)
         assert code == 2 and "\n" not in err, (attempt, err)
-        assert f"--resume auto: no valid checkpoint in {checkpoints}: every one is corrupt" in err, (attempt, err)
+        assert f"--resume {shown}: no valid checkpoint in {checkpoints}: every one is corrupt" in err, (attempt, err)
         assert "step_000003.corrupt, step_000006.corrupt" in err and "--start-over" in err, err
-        assert "step 1/" not in out, out
-    code, out, err = run(run_dir, ["--resume"])
-    assert code == 2 and "every one is corrupt" in err, err
     code, out, err = run(run_dir, ["--resume", "auto", "--start-over"])
     assert code == 0, err
     assert "--start-over: no valid checkpoint" in out and "starting from step 0" in out and "step 2/2" in out, out
