@@ -263,3 +263,16 @@ def test_a_kill_between_the_commits_two_renames_recovers_the_new_checkpoint(refe
     assert ckpt.recover_commits(root) == []
     assert ckpt.remove_incomplete(root) == ["step_000006.tmp", "step_000009.old"]
     assert ckpt.read_meta(root / "step_000006")["step"] == 6
+
+
+def test_a_restart_after_a_kill_between_the_two_renames_resumes_from_that_step(reference, tmp_path, caplog):
+    """The same leftovers met by the run's start: it resumes from the recovered step, not from an
+    earlier one."""
+    run_dir = tmp_path / "run"
+    root, source = run_dir / ckpt.CHECKPOINTS, reference[0] / ckpt.CHECKPOINTS
+    shutil.copytree(source / "step_000003", root / "step_000003")
+    shutil.copytree(source / "step_000003", root / "step_000006.old")
+    shutil.copytree(source / "step_000006", root / "step_000006.tmp")
+    assert main([*TINY_ARGS, "--steps", "7", "--run-dir", str(run_dir), "--resume"]) == 0
+    assert f"resumed from {root / 'step_000006'} at step 6" in caplog.text, caplog.text
+    assert sorted(p.name for p in root.iterdir()) == ["step_000003", "step_000006"]
