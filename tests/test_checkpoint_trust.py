@@ -19,7 +19,7 @@ from dtrain.checkpoint import reader
 from dtrain.checkpoint import storage as ckpt
 from dtrain.run import main
 from tests.damage import resign
-from tests.launch import TINY_ARGS
+from tests.launch import TINY_ARGS, scalars
 from tools import hf_convert
 
 
@@ -113,3 +113,78 @@ def test_every_checkpoint_the_project_writes_passes_the_restricted_unpickler(ref
     for _, path in ckpt.valid_checkpoints(reference[0] / ckpt.CHECKPOINTS):
         with open(path / ".metadata", "rb") as f:
             assert reader.read_metadata(path) .state_dict_metadata.keys() == pickle.load(f).state_dict_metadata.keys()
+
+
+@pytest.mark.parametrize("linked", ["__0_0.distcp", "rng/rank_00000.pt", "rng", ckpt.META])
+def test_a_symbolic_link_that_leads_out_of_the_checkpoint_is_refused(reference, tmp_path, capsys, linked):
+    """The file or folder lies outside, a link to it in its place, the checksums recomputed (or,
+    for the RNG states, the file left out of them, as the manifest need not list it)."""
+    path = _copy(reference, tmp_path)
+    outside = tmp_path / "outside" / linked
+    outside.parent.mkdir(parents=True)
+    shutil.move(path / linked, outside)
+    (path / linked).symlink_to(outside)
+    if linked != ckpt.META:
+        resign(path)
+    for command in (_resume, _export):
+        code, err = command(path, tmp_path, capsys)
+        assert code == 2 and "\n" not in err, err
+        assert f"checkpoint {path}: {linked} is a symbolic link to {outside}, outside the checkpoint directory" in err, err
+
+
+def test_a_symbolic_link_within_the_checkpoint_is_read(reference, tmp_path, capsys):
+    path = _copy(reference, tmp_path)
+    shutil.move(path / "__0_0.distcp", path / "rng" / "shard")
+    (path / "__0_0.distcp").symlink_to(Path("rng") / "shard")
+    resign(path)
+    code, err = _resume(path, tmp_path, capsys)
+    assert code == 0, err
+
+
+def _set_files_entry(meta):
+    meta["files"][".metadata"] = {"crc32": "00000000"}
+
+
+META_FIELDS = [
+    ("files", lambda meta: meta.update(files=[]), "its files is [], not an object of file names"),
+    ("a file's entry", _set_files_entry, "its files entry '.metadata' is {'crc32': '00000000'}, not an object of the "
+                                         "file's size and crc32"),
+    ("model", lambda meta: meta.update(model=[]), "its model is [], not an object of the model's settings"),
+    ("step", lambda meta: meta.update(step="3"), "its step is '3', not a whole number >= 0"),
+    ("data position", lambda meta: meta.update(consumed_samples=-8), "its consumed_samples is -8, not a whole number"),
+    ("scheduler", lambda meta: meta.update(scheduler=[3]), "its scheduler is [3], not null or the LR schedule's state"),
+    ("config", lambda meta: meta.update(config=5), "its config is 5, not a string"),
+    ("skips", lambda meta: meta["skips"].update(recent_losses=["nan"]), "its skips is"),
+    ("no model", lambda meta: meta.pop("model"), "it has no model"),
+]
+
+
+@pytest.mark.parametrize("change,message", [c[1:] for c in META_FIELDS], ids=[c[0] for c in META_FIELDS])
+def test_meta_json_fields_of_the_wrong_kind_are_one_line(reference, tmp_path, capsys, change, message):
+    """meta.json with its checksum in COMPLETE recomputed: parsed, but a field of the wrong kind
+    (a traceback where a reader met it)."""
+    import json
+
+    path = _copy(reference, tmp_path)
+    meta = json.loads((path / ckpt.META).read_text())
+    change(meta)
+    ckpt.write_meta(path, meta)
+    for command in (_resume, _export):
+        code, err = command(path, tmp_path, capsys)
+        assert code == 2 and "\n" not in err, err
+        assert f"checkpoint {path} has an unusable meta.json ({message}" in err and "corrupt" in err, err
+
+
+def test_only_the_schedules_position_is_taken_from_meta_json(reference, tmp_path, capsys):
+    """Other keys of the scheduler's state would become attributes of this run's scheduler."""
+    import json
+
+    path = _copy(reference, tmp_path)
+    meta = json.loads((path / ckpt.META).read_text())
+    meta["scheduler"].update(optimizer="replaced", lr_lambdas=[{"x": 1}, 2], base_lrs=[1e9, 1e9])
+    ckpt.write_meta(path, meta)
+    code, err = _resume(path, tmp_path, capsys)
+    assert code == 0, err
+    resumed = scalars(tmp_path / "run")
+    assert resumed["train/loss"] == reference[1][3:4] and resumed["train/lr"][0] < 1e-3
+

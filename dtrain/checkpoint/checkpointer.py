@@ -227,7 +227,11 @@ class Checkpointer:
             error = problem
         resume.agree(error)
         if meta.get("scheduler"):
-            self.scheduler.load_state_dict(meta["scheduler"])
+            # Its position only: the rest follows from this run's settings (reapply_hyperparameters
+            # below), and no other key of meta.json may set an attribute of the scheduler.
+            saved = meta["scheduler"]
+            position = {key: saved[key] for key in ("last_epoch", "_step_count") if key in saved}
+            self.scheduler.load_state_dict({**self.scheduler.state_dict(), **position})
         resume.reapply_hyperparameters(self.optimizer, self.scheduler, configured)
         step = int(meta["step"])
         self.last_saved = step

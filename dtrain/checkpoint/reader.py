@@ -9,13 +9,15 @@ can rewrite them. Here:
 - `.metadata` goes through an unpickler that admits only the classes torch's checkpoint writer
   puts there (DCP's metadata records, torch.Size, dtypes and layouts, paths);
 - the non-tensor entries go through torch's weights-only unpickler (numbers, strings, tuples);
-- every file the index names must lie inside the checkpoint directory.
+- every file the index names must lie inside the checkpoint directory, and no symbolic link in
+  it may lead outside (`check_links`, which the reading of meta.json starts with).
 
 Anything else is refused in one line that names the file, before a byte of it is used.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,19 @@ def inside(directory: Path, relative: Any) -> bool:
         return False
     root = Path(directory).resolve()
     return (root / relative).resolve().is_relative_to(root)
+
+
+def check_links(path: Path) -> None:
+    """Every file and folder under the checkpoint at `path` lies inside it: a symbolic link to
+    elsewhere would have a load read another file than the checkpoint's own (its weights, its
+    meta.json, its RNG states). Links within the checkpoint stay allowed."""
+    root = Path(path).resolve()
+    for folder, folders, files in os.walk(path):  # a linked folder is checked here, not entered
+        for name in folders + files:
+            entry = Path(folder) / name
+            if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+                raise UntrustedCheckpoint(f"checkpoint {path}: {entry.relative_to(path)} is a symbolic link to "
+                                          f"{os.readlink(entry)}, outside the checkpoint directory; {_ADVICE}")
 
 
 def read_metadata(path: Path) -> Metadata:

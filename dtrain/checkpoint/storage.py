@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
 
-from dtrain.checkpoint import integrity, reader
+from dtrain.checkpoint import integrity, meta_fields, reader
 from models.config import LlamaConfig
 from models.errors import UserError
 
@@ -174,17 +174,22 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not (path / COMPLETE).is_file():
         raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE} file: its save was interrupted); "
                         f"resume from an earlier step_NNNNNN directory")
+    reader.check_links(path)  # before any of its files is read
     try:
         marker = (path / COMPLETE).read_text().split()
         text = (path / META).read_text()
         if len(marker) >= 4 and marker[1] == META and integrity.text_checksum(text) != marker[3]:
             raise ValueError(f"{META} does not match the checksum in {COMPLETE}")
         meta = json.loads(text)
-        step = int(meta["step"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError) as error:
         raise CorruptCheckpoint(f"checkpoint {path} has no readable {META} ({type(error).__name__}: {error}); "
                                 f"it is corrupt: resume from an earlier checkpoint") from None
-    if meta.get("format") not in READABLE_FORMATS or step < 0:
+    problem = meta_fields.field_problem(meta)
+    if problem is not None:
+        raise CorruptCheckpoint(f"checkpoint {path} has an unusable {META} ({problem}); it is corrupt: resume from "
+                                f"an earlier checkpoint")
+    step = meta["step"]
+    if meta.get("format") not in READABLE_FORMATS:
         raise UserError(f"checkpoint {path} has format {meta.get('format')!r} and step {step}; this dtrain "
                         f"reads formats {READABLE_FORMATS}: convert it or start without --resume")
     return meta
