@@ -10,7 +10,9 @@ import os
 import pytest
 
 from dtrain.resilience import failures
+from dtrain.run import main
 from dtrain.resilience.failures import Failure
+from models.errors import UserError
 from tests.launch import TINY_ARGS, run_cli, scalars
 
 
@@ -43,6 +45,21 @@ def test_errors_are_classified_without_their_volatile_numbers():
     oom = failures.from_error(MemoryError("tried to allocate 2.50 GiB on rank 3"), 3, 7, "backward")
     assert (oom.kind, oom.key) == ("error", "MemoryError: tried to allocate #.# GiB on rank #")
     assert failures.from_error(failures.Terminated("SIGTERM"), 0, 3, "init").kind == "lost"
+    # Words of a communication error inside other words, or in a refused input's message, are none.
+    assert failures.from_error(RuntimeError("TypeError: list indices must be integers"), 0, 0, "init").kind == "error"
+    refused = failures.from_error(UserError("--data-cache-dir /peer/socket timed out: choose another"), 0, 0, "init")
+    assert refused.kind == "error" and refused.what == "rank 0 at step 0 (init): --data-cache-dir /peer/socket timed " \
+                                                      "out: choose another", refused
+
+
+def test_a_refused_input_whose_words_sound_like_a_lost_peer_is_said_as_it_is(tmp_path, capsys):
+    """A refusal that names a path with 'peer' in it was reported as 'rank 0 lost its peers' (exit
+    code 1), and so was one that named a TypeError."""
+    empty = tmp_path / "peer"
+    empty.mkdir()
+    code = main([*TINY_ARGS, "--steps", "1", "--run-dir", str(tmp_path / "run"), "--resume", str(empty)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"dtrain: error: --resume {empty}: holds no complete checkpoint"), err
 
 
 def test_unreadable_records_are_skipped_not_fatal(tmp_path):

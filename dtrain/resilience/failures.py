@@ -32,8 +32,9 @@ FAILURES = "failures"
 # Which of an attempt's records tells what happened: a rank's own error causes the lost
 # connections its peers see, and a hang report names the rank the others waited for.
 KIND_ORDER = ("error", "hang", "lost")
+# Whole words where a word could hide inside another ("TypeError" holds "peEr").
 _COMMUNICATION = re.compile(r"gloo|nccl|connection (closed|reset|refused)|broken pipe|timed out|"
-                            r"processgroup|socket|peer", re.IGNORECASE)
+                            r"processgroup|socket|\bpeers?\b", re.IGNORECASE)
 _VOLATILE = re.compile(r"0x[0-9a-fA-F]+|\d+")
 
 
@@ -75,6 +76,8 @@ def from_error(error: BaseException, rank: int, step: int, phase: str, lost: tup
     described = f"{type(error).__name__}: {first}" if first else type(error).__name__
     where = f"rank {rank} at step {step} ({phase})"
     names = {cls.__name__ for cls in type(error).__mro__}
+    if "UserError" in names:  # a refused input, whatever its words: said as it is, never a lost peer
+        return Failure(rank, step, phase, "error", f"{where}: {first}", volatile_free(described))
     if names & {"Terminated", "DistError", "DistBackendError", "DistNetworkError", "DistStoreError"} \
             or _COMMUNICATION.search(first):
         lost_what, lost_key = lost
