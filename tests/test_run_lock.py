@@ -37,7 +37,7 @@ def no_job(monkeypatch):
 def test_a_live_process_keeps_the_lock_and_a_dead_or_reused_pid_loses_it(tmp_path, no_job, caplog):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        _holder(tmp_path, pid=sleeper.pid, started=run_lock._start_time(sleeper.pid))
+        _holder(tmp_path, pid=sleeper.pid, started=run_lock.process_start_time(sleeper.pid))
         with pytest.raises(UserError, match=rf"is in use by another run \(pid {sleeper.pid} on host "):
             RunDirLock(tmp_path).acquire()
         # The same pid with another start time is another process now: the holder is gone.
@@ -125,7 +125,7 @@ def test_a_second_run_in_the_same_directory_stops_in_one_line_before_touching_it
     (run_dir / "failures" / "rank_00000.jsonl").write_text("{}\n")
     first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        _holder(run_dir, pid=first.pid, started=run_lock._start_time(first.pid))
+        _holder(run_dir, pid=first.pid, started=run_lock.process_start_time(first.pid))
         before = _tree(run_dir)
         for extra in ([], ["--resume"]):
             code = main([*TINY_ARGS, "--run-dir", str(run_dir), *extra])

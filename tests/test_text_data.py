@@ -146,6 +146,50 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
     assert text_data.stats["built"] == built + 1 and not (cache / f"{name}.lock").exists()
 
 
+def _cache_name(path, cache) -> str:
+    """The cache's name for `path`, its files removed again (as before a first build)."""
+    text_dataset(path, cache)
+    name = next(p.stem for p in cache.glob("*.json"))
+    for suffix in (".bin", ".idx", ".json"):
+        (cache / f"{name}{suffix}").unlink()
+    return name
+
+
+def test_a_lock_that_names_this_very_process_is_taken_over(tmp_path, monkeypatch):
+    """A job restarted in a fresh container numbers its processes as before: the lock of the build
+    it was killed in names this process's pid, alive, but not the holder (it waited forever)."""
+    path, cache = text_file(tmp_path), tmp_path / "cache"
+    name = _cache_name(path, cache)
+    (cache / f"{name}.lock").write_text(f"{socket.gethostname()} {os.getpid()}\n")
+
+    def wait(seconds):
+        raise AssertionError(f"waited for {name}.lock, which no live process holds")
+
+    monkeypatch.setattr(text_data.time, "sleep", wait)
+    built = text_data.stats["built"]
+    text_dataset(path, cache)
+    assert text_data.stats["built"] == built + 1 and not (cache / f"{name}.lock").exists()
+
+
+def test_what_a_killed_build_left_is_removed_by_the_build_that_takes_over(tmp_path):
+    """A build killed (kill -9) midway leaves its lock and its half-written temporaries; the
+    process that takes the lock over removes them, and only them."""
+    path, cache = text_file(tmp_path), tmp_path / "cache"
+    name = _cache_name(path, cache)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    with subprocess.Popen(["sleep", "60"]) as live:
+        (cache / f"{name}.lock").write_text(f"{socket.gethostname()} {dead}\n")
+        left = [cache / f"{name}.bin.{dead}.0123abcd.tmp", cache / f"{name}.idx.{dead}.4567cdef.tmp"]
+        for temporary in left:
+            temporary.write_bytes(b"half a build")
+        others = cache / f"{name}.bin.{live.pid}.89abcdef.tmp"  # a live process's: not ours to remove
+        others.write_bytes(b"being written")
+        text_dataset(path, cache)
+        live.kill()
+    assert cache_entries(cache) == sorted([f"{name}.bin", f"{name}.idx", f"{name}.json", others.name])
+
+
 def test_an_unwritable_cache_directory_tokenizes_in_memory_and_says_so(tmp_path, caplog):
     path = text_file(tmp_path)
     (tmp_path / "a file").write_text("")

@@ -38,6 +38,7 @@ from tokenizers import Tokenizer
 
 from dtrain.data.indexed import IndexedDataset, IndexedDatasetWriter, sampled_digest, token_dtype
 from dtrain.data.packed import write_atomic
+from dtrain.resilience.run_lock import process_alive, process_start_time
 from models.errors import UserError
 
 logger = logging.getLogger("dtrain")
@@ -187,10 +188,12 @@ def _build_once(cache_dir: Path, name: str, key: dict, text_path: str, tokenizer
         try:
             descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            if _stale(lock):
+            dead = _stale(lock)
+            if dead is not None:
                 # Two processes that both find it stale may both build: a second build, never a
                 # wrong cache, as each file is renamed into place whole.
                 _remove(lock)
+                _remove_temporaries(cache_dir, name, dead)
                 continue
             if not told:
                 told = True
@@ -198,7 +201,7 @@ def _build_once(cache_dir: Path, name: str, key: dict, text_path: str, tokenizer
             time.sleep(0.2)
             continue
         with os.fdopen(descriptor, "w") as file:
-            file.write(f"{socket.gethostname()} {os.getpid()}\n")
+            file.write(f"{socket.gethostname()} {os.getpid()} {process_start_time(os.getpid())}\n")
         try:
             found = _cached(cache_dir, name, key)  # finished by another process between the look and the lock
             if found is None:
@@ -258,28 +261,33 @@ def _cached(cache_dir: Path, name: str, key: dict) -> TextTokens | None:
 
 def _holder(lock: Path) -> str:
     try:
-        host, pid = lock.read_text().split()
+        host, pid = lock.read_text().split()[:2]
     except (OSError, ValueError):
         return "another process"
     return f"process {pid} on {host}"
 
 
-def _stale(lock: Path) -> bool:
-    """Whether the lock's holder is gone: a process of this host that no longer runs, or a lock of
-    another host that its holder stopped refreshing."""
+def _stale(lock: Path) -> str | None:
+    """The pid of the lock's holder where it is gone ("" where it wrote none), else None: a process
+    of this host that no longer runs (or whose pid another process has now, this one included: a
+    restarted container numbers its processes alike), or a lock of another host that its holder
+    stopped refreshing."""
     try:
         age = time.time() - lock.stat().st_mtime
-        host, pid = lock.read_text().split()
+        host, pid, *started = lock.read_text().split()
         if host == socket.gethostname():
-            os.kill(int(pid), 0)
-            return False
-        return age > STALE_LOCK_S
-    except ProcessLookupError:
-        return True
+            return pid if int(pid) == os.getpid() or not process_alive(int(pid), (started or [None])[0]) else None
+        return pid if age > STALE_LOCK_S else None
     except ValueError:  # no holder written: just created, or its creator died at once
-        return age > 10.0
-    except OSError:  # removed meanwhile, or a process of another user
-        return False
+        return "" if age > 10.0 else None
+    except OSError:  # removed meanwhile
+        return None
+
+
+def _remove_temporaries(cache_dir: Path, name: str, pid: str) -> None:
+    """What a build of `name` by the dead process `pid` left half written (temporary_path's names)."""
+    for path in cache_dir.glob(f"{name}.*.{pid}.*.tmp") if pid else ():
+        _remove(path)
 
 
 def _remove(path: Path) -> None:

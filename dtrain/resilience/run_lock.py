@@ -56,7 +56,7 @@ def job_id() -> str | None:
     return None if rendezvous in ("", "none") else f"torchrun {rendezvous}"
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (Linux), which tells a reused pid apart."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -65,14 +65,16 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]  # field 22; the command name before ")" may hold spaces
 
 
-def _alive(pid: int, started: str | None) -> bool:
+def process_alive(pid: int, started: str | None) -> bool:
+    """Whether process `pid` of this host runs and, where `started` is known, is the one that
+    started then (not a later process given the same pid)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass  # another user's process: alive
-    now = _start_time(pid)
+    now = process_start_time(pid)
     return now is None or started is None or now == started
 
 
@@ -88,8 +90,8 @@ class RunDirLock:
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid()),
-                   "job": job_id(), "since": time.time(), "beat": 0}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(),
+                   "started": process_start_time(os.getpid()), "job": job_id(), "since": time.time(), "beat": 0}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.created = False  # the run directory, by `acquire`
@@ -161,7 +163,7 @@ class RunDirLock:
         if not holder:
             return "the lock file is unreadable"
         if holder.get("host") == self.me["host"]:
-            alive = _alive(int(holder.get("pid", -1)), holder.get("started"))
+            alive = process_alive(int(holder.get("pid", -1)), holder.get("started"))
             return None if alive else "its process has ended"
         if holder.get("job") is not None and holder.get("job") == self.me["job"]:
             return f"it is an earlier incarnation of this job ({self.me['job']})"
