@@ -151,3 +151,32 @@ def test_what_transformers_gpt_oss_cannot_hold_is_a_one_line_error(tmp_path):
                             (dict(layer_pattern="window-chunk", attention_chunk=8), "window and full layers only")):
         with pytest.raises(UserError, match=f"no Hugging Face gpt-oss equivalent: .*{message}"):
             hf.config_to_hf(attrs.evolve(cfg, **change), torch.bfloat16)
+
+
+@pytest.mark.parametrize("blocks,scales", [
+    ((), ()), ((16,), ()), ((4, 64, 16), (4, 64)), ((4, 64, 1, 8), (4, 64, 1)), ((4, 64, 1, 16), (4, 64, 2)),
+], ids=["scalar", "one-dim", "no-block-dim", "half-blocks", "other-scales"])
+def test_mxfp4_blocks_that_do_not_fit_their_scales_are_one_line(tmp_path, blocks, scales):
+    """Crafted MXFP4 experts of shapes the format has no place for: one line naming the tensor and
+    its file (an IndexError traceback where the blocks had fewer than two dims)."""
+    from safetensors.torch import load_file, save_file
+
+    make_hf_gpt_oss(tmp_path, dtype=torch.bfloat16, intermediate_size=32)
+    tensors = load_file(tmp_path / hf.SINGLE_FILE)
+    generator = torch.Generator().manual_seed(0)
+    for i in range(2):
+        prefix = f"model.layers.{i}.mlp.experts."
+        for name, rows in (("gate_up_proj", 64), ("down_proj", 32)):
+            del tensors[prefix + name]
+            tensors[prefix + name + "_blocks"] = torch.randint(0, 256, (4, rows, 1, 16), generator=generator,
+                                                               dtype=torch.uint8)
+            tensors[prefix + name + "_scales"] = torch.full((4, rows, 1), 127, dtype=torch.uint8)
+    hf_convert.load_hf_params(tmp_path)  # well formed, it imports
+    bad = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors[bad + "_blocks"] = torch.randint(0, 256, blocks, generator=generator, dtype=torch.uint8)
+    tensors[bad + "_scales"] = torch.full(scales, 127, dtype=torch.uint8)
+    save_file(tensors, tmp_path / hf.SINGLE_FILE)
+    with pytest.raises(UserError) as refused:
+        hf_convert.load_hf_params(tmp_path)
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / hf.SINGLE_FILE}: {bad}_blocks") and "\n" not in message, message

@@ -188,7 +188,7 @@ class HFCheckpoint:
         file = self.files[piece.hf_name]
         value = self._read_stored(piece.hf_name)
         if piece.scales is not None:
-            value = mxfp4.dequantize(value, self._read_stored(piece.scales))
+            value = mxfp4.dequantize(value, self._read_stored(piece.scales), name=f"{file}: {piece.hf_name}")
         expected = piece.hf_shape(shape)
         if tuple(value.shape) != expected:
             raise UserError(f"{file}: {piece.hf_name} has shape {list(value.shape)} but config.json implies "

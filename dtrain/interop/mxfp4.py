@@ -16,18 +16,19 @@ BLOCK = 32
 EXPONENT_BIAS = 127
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
+               name: str = "MXFP4 blocks") -> torch.Tensor:
     """[..., out, in] in `dtype` from MXFP4 `blocks` [..., out, in / 32, 16] and `scales`
-    [..., out, in / 32]. The products are exact in bf16 (a code has two significant bits)."""
+    [..., out, in / 32]; `name` (the tensor and its file) is what an error names. The products are
+    exact in bf16 (a code has two significant bits)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise UserError(f"MXFP4 blocks and scales are uint8; got {blocks.dtype} and {scales.dtype}: the "
+        raise UserError(f"{name}: MXFP4 blocks and scales are uint8; got {blocks.dtype} and {scales.dtype}: the "
                         f"checkpoint is not the MXFP4 layout its config.json names")
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
-        raise UserError(f"MXFP4 blocks of shape {list(blocks.shape)} do not fit scales of shape "
-                        f"{list(scales.shape)} (blocks [..., n, 16] for scales [..., n]); the checkpoint is damaged")
+    if blocks.dim() < 3 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
+        raise UserError(f"{name}: MXFP4 blocks of shape {list(blocks.shape)} do not fit scales of shape "
+                        f"{list(scales.shape)} (blocks [..., out, n, 16] for scales [..., out, n]); the checkpoint "
+                        f"is damaged")
     table = torch.tensor(E2M1_VALUES, dtype=dtype)
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., n, 32], low nibble first
     exponents = scales.to(torch.int32)[..., None] - EXPONENT_BIAS
     return torch.ldexp(table[codes], exponents).to(dtype).flatten(-2)
-
-
