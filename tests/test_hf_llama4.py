@@ -127,6 +127,12 @@ def test_what_dtrain_cannot_read_is_a_one_line_error(tmp_path):
          "layer 3 is chunked_attention without RoPE"),
         ({"text_config": {**text, "hidden_size": "32"}}, "hidden_size='32', which must be a positive integer"),
         ({"text_config": None}, "needs text_config"),
+        # A listed layer past the last was passed over, a string was never a MoE layer, and any entry of
+        # no_rope_layers that is not 0 counted as RoPE.
+        ({"text_config": {**text, "moe_layers": [1, 3, 9]}}, r"moe_layers=\[1, 3, 9\] must list layers of 0 .. 3"),
+        ({"text_config": {**text, "moe_layers": ["1", "3"]}}, r"moe_layers=\['1', '3'\] must list layers"),
+        ({"text_config": {**text, "no_rope_layers": [1, 1, 1, 2]}}, r"must hold 1 \(RoPE\) or 0 \(NoPE\)"),
+        ({"text_config": {**text, "no_rope_layers": "1110"}}, r"no_rope_layers='1110' must hold 1"),
     ):
         config_path.write_text(json.dumps({**config, **change}))
         with pytest.raises(UserError, match=message):

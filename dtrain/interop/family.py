@@ -62,6 +62,16 @@ def check_config_types(hf: dict[str, Any], types: dict[str, str], source: str) -
                             f"{_KIND_WORDS[kind.rstrip('?')]}; compare it with the model's published config.json")
 
 
+def layer_indices(hf: dict[str, Any], key: str, layers: int, source: str) -> list[int] | None:
+    """config.json's list of layer indices under `key` (None where it has none): each one a layer
+    of the model, where transformers would pass over a string or an index past the last layer."""
+    listed = hf.get(key)
+    if listed is not None and not (isinstance(listed, list) and all(type(i) is int and 0 <= i < layers
+                                                                     for i in listed)):
+        raise UserError(f"{source}: {key}={listed!r} must list layers of 0 .. {layers - 1}")
+    return listed
+
+
 def pattern(template: str) -> re.Pattern:
     """A template with `{i}` (layer) and `{j}` (expert) placeholders as a regular expression."""
     escaped = re.escape(template)

@@ -28,7 +28,7 @@ import torch
 
 from dtrain.interop.family import (
     CONFIG_TYPES, SHARED_NAMES, HFFamily, Piece, check_config_types, common_config_from_hf, common_config_to_hf,
-    map_name, name_tables,
+    layer_indices, map_name, name_tables,
 )
 from dtrain.interop.gpt_oss import pattern_of
 from models.errors import UserError
@@ -82,7 +82,7 @@ class Llama4(HFFamily):
                                        attention_bias=True)
         layers = common["num_layers"]
         kinds = _layer_kinds(hf, layers, source)
-        step, dense = _moe_rule(hf, layers)
+        step, dense = _moe_rule(hf, layers, source)
         return Llama4Config(
             num_experts=hf["num_local_experts"], top_k=hf.get("num_experts_per_tok", 1),
             expert_ffn_dim=hf["intermediate_size"], dense_ffn_dim=hf.get("intermediate_size_mlp", 16384),
@@ -154,6 +154,9 @@ def _layer_kinds(hf: dict[str, Any], layers: int, source: str) -> list[str]:
     """dtrain's kind of each layer from no_rope_layers (or its interval) and layer_types."""
     interval = hf.get("no_rope_layer_interval", 4)
     rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    # transformers reads the first num_hidden_layers entries, each as true or false: 2 or "0" would pass.
+    if not (isinstance(rope, list) and all(type(uses) in (int, bool) and uses in (0, 1) for uses in rope)):
+        raise UserError(f"{source}: no_rope_layers={rope!r} must hold 1 (RoPE) or 0 (NoPE) for each layer")
     chunk = hf.get("attention_chunk_size")
     types = hf.get("layer_types") or ["chunked_attention" if uses and chunk is not None else "full_attention"
                                       for uses in rope]
@@ -170,10 +173,10 @@ def _layer_kinds(hf: dict[str, Any], layers: int, source: str) -> list[str]:
     return kinds
 
 
-def _moe_rule(hf: dict[str, Any], layers: int) -> tuple[int, tuple[int, ...]]:
+def _moe_rule(hf: dict[str, Any], layers: int, source: str) -> tuple[int, tuple[int, ...]]:
     """(moe_layer_step, dense_layers) of moe_layers, or of interleave_moe_layer_step where it is not given."""
     step = hf.get("interleave_moe_layer_step") or 1
-    listed = hf.get("moe_layers")
+    listed = layer_indices(hf, "moe_layers", layers, source)
     if listed is None:
         return step, ()
     if sorted(listed) == list(range(step - 1, layers, step)):

@@ -27,7 +27,8 @@ import torch
 
 from dtrain.interop import qwen3
 from dtrain.interop.family import (
-    SHARED_NAMES, HFFamily, Piece, common_config_from_hf, common_config_to_hf, map_name, name_tables, pattern,
+    SHARED_NAMES, HFFamily, Piece, common_config_from_hf, common_config_to_hf, layer_indices, map_name, name_tables,
+    pattern,
 )
 from dtrain.interop.mixtral import aux_loss_coef_from_hf, aux_loss_coef_to_hf
 from models.config import MoEConfig
@@ -72,10 +73,7 @@ class Qwen3MoE(HFFamily):
         if len(counts) != 1:
             raise UserError(f"{source}: config.json gives num_experts={hf.get('num_experts')!r} and num_local_experts="
                             f"{hf.get('num_local_experts')!r}; it needs one expert count (either key)")
-        dense = hf.get("mlp_only_layers") or []
-        layers = common["num_layers"]
-        if not isinstance(dense, list) or not all(type(i) is int and 0 <= i < layers for i in dense):
-            raise UserError(f"{source}: mlp_only_layers={dense!r} must list layers of 0 .. {layers - 1}")
+        dense = layer_indices(hf, "mlp_only_layers", common["num_layers"], source) or []
         cfg = MoEConfig(
             num_experts=counts.pop(), top_k=hf["num_experts_per_tok"], expert_ffn_dim=hf["moe_intermediate_size"],
             dense_ffn_dim=hf["intermediate_size"], moe_layer_step=hf.get("decoder_sparse_step", 1),
