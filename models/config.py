@@ -119,6 +119,12 @@ def _check_shape(cfg, positive: tuple[str, ...]) -> None:
         raise UserError(
             f"num_heads={cfg.num_heads} is not divisible by num_kv_heads={cfg.num_kv_heads}"
         )
+    # Each a NaN at the first step otherwise: 0 or a negative theta or factor in RoPE's frequencies,
+    # a negative eps under the norms' square root.
+    for name, value in (("rope_theta", cfg.rope_theta), ("norm_eps", cfg.norm_eps),
+                        ("rope_scaling factor", getattr(cfg.rope_scaling, "factor", 1.0))):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise UserError(f"model {name}={value} must be a positive number")
     if cfg.sliding_window is not None and cfg.sliding_window < 1:
         raise UserError(f"sliding_window={cfg.sliding_window} must be >= 1 (tokens each token sees, itself "
                         f"included), or none for full causal attention")

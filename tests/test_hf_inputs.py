@@ -272,6 +272,23 @@ def test_config_json_of_the_wrong_types_is_one_line(hf_dir, tmp_path, fields, me
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize("fields,message", [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "model rope_theta=0.0 must be a positive number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1e4}}, "rope_theta=-10000.0 must be a positive"),
+    ({"rms_norm_eps": -1e-5}, "model norm_eps=-1e-05 must be a positive number"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 0, "low_freq_factor": 1,
+                          "high_freq_factor": 4, "original_max_position_embeddings": 64}},
+     "model rope_scaling factor=0.0 must be a positive number"),
+])
+def test_settings_that_make_the_first_step_nan_are_one_line(hf_dir, tmp_path, fields, message):
+    """Of the right kind, but 0 or negative where RoPE divides by them or the norms take a square
+    root: imported, then every loss was NaN."""
+    source = _edited_config(hf_dir, tmp_path, **fields)
+    with pytest.raises(UserError, match=message) as caught:
+        hf.HFCheckpoint(source)
+    assert "\n" not in str(caught.value)
+
+
 def test_a_family_checks_its_own_keys(tmp_path):
     make_hf_mixtral(tmp_path / "mixtral")
     source = _edited_config(tmp_path / "mixtral", tmp_path, num_experts_per_tok=0)

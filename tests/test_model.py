@@ -251,3 +251,13 @@ def test_head_dim_is_a_field_that_follows_dim_unless_set():
             get_model_config("tiny", overrides)
     with pytest.raises(UserError, match="MLA's heads are qk_nope_head_dim"):
         get_model_config("tiny-mla", "head_dim=16")
+
+
+@pytest.mark.parametrize("model,overrides", [("tiny", "rope_theta=0"), ("tiny-moe", "norm_eps=-1e-6"),
+                                             ("tiny-mla", "rope_theta=-10000"), ("tiny", "norm_eps=nan")])
+def test_settings_that_make_every_loss_nan_are_refused(model, overrides):
+    from models.errors import UserError
+
+    name = overrides.split("=")[0]
+    with pytest.raises(UserError, match=f"model {name}=.* must be a positive number"):
+        get_model_config(model, overrides)
