@@ -20,6 +20,7 @@ from dtrain.distributed import Runtime
 from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.layout.checks import build_plan, validate
+from dtrain.layout.host_memory import check_host_memory
 from dtrain.rank_inputs import RankInputs
 from dtrain.resilience.faults import FaultInjector
 from dtrain.resilience.heartbeat import Heartbeat
@@ -53,6 +54,7 @@ class Trainer:
         self.config, self.runtime = config, runtime
         self.beat, self.watchdog = heartbeat or Heartbeat(runtime.rank), watchdog
         self.mesh_spec, self.model_cfg = validate(config, runtime.world_size)
+        check_host_memory(config, runtime.rank, runtime.world_size, runtime.device.type)  # before any allocation
         d, t = config.data, config.train
         self.run_dir = Path(t.run_dir)
         if runtime.is_main:
