@@ -38,13 +38,14 @@ def readable(size: float) -> str:
 
 
 def rank_need_bytes(config: Config, world_size: int, rank: int) -> float:
-    """The memory model's peak of `rank` on the CPU, without the GPU libraries' workspaces."""
+    """The memory model's peak of `rank` on the CPU, without the GPU libraries' workspaces and with
+    what --cpu-offload moves to host memory (all of it is host memory here)."""
     from dtrain.planner.activations import CPU
     from dtrain.planner.memory import predict_workload
     from dtrain.planner.workload import workload
 
     breakdown = predict_workload(workload(config, world_size, rank, "cpu"), CPU)
-    return breakdown.total - breakdown.workspace
+    return breakdown.total - breakdown.workspace + breakdown.host
 
 
 def _meminfo_bytes(text: str, key: str) -> float | None:
