@@ -188,3 +188,19 @@ def test_only_the_schedules_position_is_taken_from_meta_json(reference, tmp_path
     resumed = scalars(tmp_path / "run")
     assert resumed["train/loss"] == reference[1][3:4] and resumed["train/lr"][0] < 1e-3
 
+
+
+@pytest.mark.parametrize("field,value", [("offset", "0"), ("offset", -8), ("length", 2.5), ("length", None)])
+def test_a_metadata_placing_a_tensor_at_no_whole_offset_is_refused(reference, tmp_path, capsys, field, value):
+    """Where torch writes whole byte counts; a string was a TypeError traceback."""
+    path = _copy(reference, tmp_path)
+
+    def misplace(metadata):
+        for info in metadata.storage_data.values():
+            setattr(info, field, value)
+
+    _rewrite_metadata(path, misplace)
+    for command in (_resume, _export):
+        code, err = command(path, tmp_path, capsys)
+        assert code == 2 and "\n" not in err, err
+        assert f"checkpoint {path}: .metadata places a tensor of __0_0.distcp at {field} {value!r}" in err, err

@@ -103,18 +103,25 @@ def read_metadata(path: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise UntrustedCheckpoint(f"checkpoint {path}: {METADATA} holds a {type(metadata).__name__}, not torch's "
                                   f"checkpoint metadata; {_ADVICE}")
-    check_paths(path, metadata)
+    check_storage(path, metadata)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
 
 
-def check_paths(path: Path, metadata: Metadata) -> None:
+def check_storage(path: Path, metadata: Metadata) -> None:
+    """Where the index places each tensor: a file inside the checkpoint, at an offset and length
+    that are whole numbers (torch writes nothing else there)."""
     for info in dict(metadata.storage_data or {}).values():
         relative = getattr(info, "relative_path", None)
         if not inside(path, relative):
             raise UntrustedCheckpoint(f"checkpoint {path}: {METADATA} names the file {relative!r}, outside the "
                                       f"checkpoint directory; {_ADVICE}")
+        for name in ("offset", "length"):
+            value = getattr(info, name, None)
+            if type(value) is not int or value < 0:
+                raise UntrustedCheckpoint(f"checkpoint {path}: {METADATA} places a tensor of {relative} at {name} "
+                                          f"{value!r}, which torch's checkpoint never writes; {_ADVICE}")
 
 
 class CheckpointReader(FileSystemReader):
@@ -130,7 +137,7 @@ class CheckpointReader(FileSystemReader):
         return self.checked
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
-        check_paths(Path(self.path), metadata)  # the index may come from another rank
+        check_storage(Path(self.path), metadata)  # the index may come from another rank
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
 
