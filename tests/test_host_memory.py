@@ -17,7 +17,8 @@ from tests.launch import TINY_ARGS, run_cli
 def test_available_memory_is_the_hosts_or_its_containers_limit_if_lower(tmp_path):
     proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
     proc.mkdir()
-    (proc / "meminfo").write_text("MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\nSwapFree:        1000000 kB\n")
+    (proc / "meminfo").write_text("MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\n"
+                                  "SwapFree:        1000000 kB\n")
     assert host_memory.available_bytes(proc, cgroup) == 21_000_000 * 1024
     (cgroup / "memory").mkdir(parents=True)  # cgroup v1: a limit of 8 GB, 3 GB of it used
     (cgroup / "memory" / "memory.limit_in_bytes").write_text("8000000000\n")
