@@ -70,8 +70,10 @@ class ParallelArgs:
                                       "and the optimizer steps on the CPU")
     gpu_memory_gb: float = _field(0.0, "--mesh auto and out-of-memory reports: usable memory per GPU in GB (0: what "
                                        "the GPU reports, 80 without one)")
-    print_plan: bool = _field(False, "print every parameter's placements and local shape, the pipeline stages and "
-                                     "the memory per rank, then exit")
+    print_plan: bool = _field(False, "print the run's layout (every parameter's placements and local shape, the "
+                                     "pipeline stages, kernels, FP8, recompute, FSDP units) and the memory per rank, "
+                                     "then exit")
+    json: bool = _field(False, "with --print-plan: print the layout as one JSON object instead")
     dry_run: bool = _field(False, "run one training step of each distinct rank's program on fake tensors over a fake "
                                   "process group of --world-size ranks, in this one process; print each rank's "
                                   "parameter and optimizer bytes, collectives and peak memory, then exit")

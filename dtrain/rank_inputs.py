@@ -7,20 +7,19 @@ from __future__ import annotations
 import attrs
 import torch
 
-from dtrain.config import DataArgs
+from dtrain.layout import RunLayout
 from models import families, flops, llama, masking, mtp
 from parallel import context_parallel
-from parallel.mesh import MeshSpec
 
 
 class RankInputs:
     """`base` is the aux every micro-batch starts from: RoPE at this rank's positions, the loss
     scale, and (windows or chunks without documents) the masks of every micro-batch."""
 
-    def __init__(self, data: DataArgs, model_cfg, mesh_spec: MeshSpec, cp_rank: int, ctx, device: torch.device,
-                 loss_scale: float):
+    def __init__(self, layout: RunLayout, cp_rank: int, ctx, device: torch.device):
+        data, model_cfg, loss_scale = layout.config.data, layout.model_cfg, layout.loss_scale
         self.data, self.model_cfg, self.ctx, self.device = data, model_cfg, ctx, device
-        self.cp, self.cp_rank = mesh_spec.cp, cp_rank
+        self.cp, self.cp_rank = layout.mesh.cp, cp_rank
         self.mtp_depth = flops.mtp_depth(model_cfg)
         positions = (context_parallel.load_balance_indices(data.seq_len, self.cp, cp_rank)
                      if self.cp > 1 else torch.arange(data.seq_len))

@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     claim = None
     try:
         config = load_config(argv)
+        if config.parallel.json:
+            _log_to_stderr()  # stdout is the JSON's alone
         planning = config.parallel.print_plan or config.parallel.dry_run
         if rank == 0 and not planning:
             # The run directory's lock before anything touches the directory; a refusal reaches
@@ -35,18 +37,23 @@ def main(argv: list[str] | None = None) -> int:
             claim = run_lock.take(config.train.run_dir)
             if claim.held:
                 failures.check_start(config.train.run_dir)
+        from dtrain.layout import Machine
+        from dtrain.planner.advice import resolve_run
+
+        # The options checked and decided once, for this machine and world.
+        layout = resolve_run(config, _world_size(config, planning), Machine.detect())
         if config.parallel.dry_run:
             from dtrain.inspect.dry_run import dry_run
 
-            dry_run(config)
+            dry_run(layout)
         elif config.parallel.print_plan:
             from dtrain.inspect.describe import print_plan
 
-            print_plan(config)
+            print_plan(layout)
         else:
             from dtrain.train import train
 
-            train(config, claim=claim)
+            train(layout, claim=claim)
     except UserError as error:
         # A user's mistake: one line that says what to change, no traceback.
         print(f"dtrain: error: {error}", file=sys.stderr)
@@ -65,6 +72,24 @@ def main(argv: list[str] | None = None) -> int:
         if claim is not None:
             claim.release()
     return 0
+
+
+def _log_to_stderr() -> None:
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
+def _world_size(config, planning: bool) -> int | None:
+    """The ranks of this run: torchrun's; for --dry-run and --print-plan --world-size, else torchrun's,
+    else None (the product of the --mesh sizes)."""
+    from dtrain import distributed
+
+    if not planning:
+        return distributed.world_size_from_env()
+    if config.parallel.world_size is not None:
+        return config.parallel.world_size
+    return distributed.world_size_from_env() if distributed.launched_by_torchrun() else None
 
 
 if __name__ == "__main__":

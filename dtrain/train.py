@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 
 from dtrain import distributed
-from dtrain.config import Config
+from dtrain.layout import RunLayout
 from dtrain.metrics import log_file
 from dtrain.planner import advice
-from dtrain.layout.checks import validate, with_global_batch
 from dtrain.resilience import failures, run_lock
 from dtrain.resilience.heartbeat import Heartbeat, open_board
 from dtrain.resilience.watchdog import GRACE_S, Watchdog
@@ -23,23 +22,12 @@ from dtrain.trainer import Trainer
 from models.errors import UserError
 
 
-def train(config: Config, before_step=None, claim: run_lock.Claim | None = None) -> list[dict[str, float]]:
-    """Runs the configured training; returns every step's scalars (the loss on every rank). A CUDA
-    out-of-memory error becomes a report of this rank's predicted memory and the nearest layout
-    the planner says fits. `claim`: rank 0's lock of the run directory when the caller took it
-    (`run_lock.take`)."""
-    world_size = distributed.world_size_from_env()
-    planned = config.parallel.world_size
-    if planned is not None and planned != world_size:
-        raise UserError(f"--world-size {planned} is for --dry-run and --print-plan; this run has {world_size} "
-                        f"process(es): drop --world-size or start {planned}")
-    if config.parallel.dry_run_rank is not None:
-        raise UserError("--dry-run-rank needs --dry-run")
-    if config.parallel.mesh == "auto":
-        config = advice.choose(config, world_size)
-    config = with_global_batch(config, world_size)
-    validate(config, world_size)
-    t = config.train
+def train(layout: RunLayout, before_step=None, claim: run_lock.Claim | None = None) -> list[dict[str, float]]:
+    """Runs the training `layout` resolved (dtrain.planner.advice.resolve_run); returns every
+    step's scalars (the loss on every rank). A CUDA out-of-memory error becomes a report of this
+    rank's predicted memory and the nearest layout the planner says fits. `claim`: rank 0's lock
+    of the run directory when the caller took it (`run_lock.take`)."""
+    t = layout.config.train
     run_dir = Path(t.run_dir)
     watching = t.step_timeout > 0
     beat, watchdog = Heartbeat(int(os.environ.get("RANK", "0"))), None
@@ -62,7 +50,7 @@ def train(config: Config, before_step=None, claim: run_lock.Claim | None = None)
                                 step_timeout=t.step_timeout)
             watchdog.start()
         with log_file(run_dir / "train.log", runtime.is_main):
-            scalars = Trainer(config, runtime, heartbeat=beat, watchdog=watchdog).fit(before_step)
+            scalars = Trainer(layout, runtime, heartbeat=beat, watchdog=watchdog).fit(before_step)
     except BaseException as error:
         if _in_main_thread():
             # The run is ending: torchrun's SIGTERM (it follows a peer's death within a fraction
@@ -71,7 +59,7 @@ def train(config: Config, before_step=None, claim: run_lock.Claim | None = None)
         failure = _record_failure(error, run_dir, beat, watchdog) if holds_run_dir else None
         distributed.shutdown(after_error=True)
         if isinstance(error, torch.OutOfMemoryError):
-            raise UserError(advice.out_of_memory_report(config, world_size, beat.rank, error)) from None
+            raise UserError(advice.out_of_memory_report(layout, beat.rank, error)) from None
         if failure is not None:
             raise failure from error
         raise

@@ -12,16 +12,17 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from dtrain import distributed, rank_model
+from dtrain import distributed
 from dtrain.checkpoint.checkpointer import Checkpointer
-from dtrain.config import Config, to_toml
+from dtrain.config import to_toml
 from dtrain.data import TokenDataset
 from dtrain.distributed import Runtime
+from dtrain.layout import RunLayout
 from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
 from dtrain.optim import build_optimizer, build_scheduler
-from dtrain.layout.checks import build_plan, validate
 from dtrain.layout.host_memory import check_host_memory
 from dtrain.rank_inputs import RankInputs
+from dtrain.rank_model import build_training_model
 from dtrain.resilience.faults import FaultInjector
 from dtrain.resilience.heartbeat import Heartbeat
 from dtrain.resilience.step_guard import Decision, StepGuard
@@ -29,13 +30,11 @@ from dtrain.resilience.stop_request import StopRequest
 from dtrain.resilience.stragglers import Stragglers
 from dtrain.resilience.watchdog import Watchdog
 from dtrain.step_stats import StepStats, ep_line
-from dtrain.rank_model import build_training_model
-from models import families, flops, moe, mtp, spec
+from models import flops, moe, mtp, spec
 from parallel import precision
-from parallel.data_parallel import expert_parameters, fsdp_settings, rescale_expert_grads_, set_micro_batch_sync
-from parallel.expert_parallel import choose_dispatch
+from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
 from parallel.gradients import clip_grads_
-from parallel.mesh import build_device_mesh, build_expert_mesh
+from parallel.mesh import build_meshes
 
 logger = logging.getLogger("dtrain")
 # Profiler ranges (no-ops unless a profiler runs) that `python -m tools.bench --profile` counts as
@@ -49,12 +48,13 @@ class Trainer:
     position (step x global batch, unless a resumed run changed --global-batch). `heartbeat` is
     told where the run is; `watchdog` (hang detection) is told when steps and saves begin and end."""
 
-    def __init__(self, config: Config, runtime: Runtime, heartbeat: Heartbeat | None = None,
+    def __init__(self, layout: RunLayout, runtime: Runtime, heartbeat: Heartbeat | None = None,
                  watchdog: Watchdog | None = None):
-        self.config, self.runtime = config, runtime
+        config = layout.config
+        self.layout, self.config, self.runtime = layout, config, runtime
         self.beat, self.watchdog = heartbeat or Heartbeat(runtime.rank), watchdog
-        self.mesh_spec, self.model_cfg = validate(config, runtime.world_size)
-        check_host_memory(config, runtime.rank, runtime.world_size, runtime.device.type)  # before any allocation
+        self.mesh_spec, self.model_cfg, self.plan = layout.mesh, layout.model_cfg, layout.plan
+        check_host_memory(layout, runtime.rank, runtime.device.type)  # before any allocation
         d, t = config.data, config.train
         self.run_dir = Path(t.run_dir)
         if runtime.is_main:
@@ -65,22 +65,9 @@ class Trainer:
                             if t.eval_every > 0 else None)
         if runtime.is_main:
             logger.info("data: %s", self.dataset.describe())
-        self.mesh = build_device_mesh(self.mesh_spec, runtime.device.type)
-        self.expert_mesh = build_expert_mesh(self.mesh_spec, runtime.device.type)
-        self.plan = build_plan(config, self.mesh_spec, self.model_cfg)
-        self.ep_dispatch = (choose_dispatch(config.parallel.ep_dispatch, self.mesh_spec.ep, self.model_cfg.top_k,
-                                            dropless=self.model_cfg.capacity_factor is None)
-                            if self.mesh_spec.ep > 1 else None)
-        p = config.parallel
-        self.reduce_once = fsdp_settings(p.dp_mode, p.fsdp_reshard_after_forward, p.fsdp_reduce_once)[1]
-        self.global_tokens = d.global_batch * d.seq_len
-        # Each rank's summed loss is scaled so that FSDP's average over the dp ranks yields the
-        # gradient of the mean loss over the whole global batch.
-        # With cp, FSDP also averages over the cp ranks, which each hold 1/cp of every sample.
-        self.loss_scale = self.mesh_spec.dp_size * self.mesh_spec.cp / self.global_tokens
-        built = build_training_model(config, self.model_cfg, self.plan, self.mesh, expert_mesh=self.expert_mesh,
-                                     device=runtime.device, ep_dispatch=self.ep_dispatch,
-                                     loss_scale=self.loss_scale, is_main=runtime.is_main)
+        self.meshes = build_meshes(self.mesh_spec, runtime.device.type)
+        self.global_tokens, self.loss_scale = layout.global_tokens, layout.loss_scale
+        built = build_training_model(layout, self.meshes, device=runtime.device, is_main=runtime.is_main)
         self.model_parts, self.ctx, self.pipeline, self.tied_copies = built.parts, built.ctx, built.runner, \
             built.tied_copies
         # Transformer Engine's delayed scaling: amax histories and scales, updated after each step.
@@ -98,8 +85,7 @@ class Trainer:
         self.guard = StepGuard(max_skipped_steps=t.max_skipped_steps, spike_factor=t.skip_spikes,
                                spike_window=t.spike_window, global_tokens=self.global_tokens,
                                device=runtime.device, is_main=runtime.is_main)
-        self.checkpointer = Checkpointer(config, runtime, model_cfg=self.model_cfg, mesh_spec=self.mesh_spec,
-                                         model_parts=self.model_parts, optimizer=self.optimizer,
+        self.checkpointer = Checkpointer(layout, runtime, model_parts=self.model_parts, optimizer=self.optimizer,
                                          scheduler=self.scheduler, fp8_scaling=self.fp8_scaling,
                                          run_state=self._run_state)
         # --resume's checkpoint (any mesh), else --init-from-hf's weights; the step to start at.
@@ -114,18 +100,15 @@ class Trainer:
             watchdog.adopt_groups(groups, distributed.set_collective_timeout)
             watchdog.starting_at(self.step)
 
-        self.dp_rank = (self.mesh.get_local_rank("dp_replicate") * self.mesh_spec.dp_shard
-                        + self.mesh.get_local_rank("dp_shard"))
+        meshes = self.meshes
+        self.dp_rank = meshes.local_rank("dp_replicate") * self.mesh_spec.dp_shard + meshes.local_rank("dp_shard")
         # The loss is summed over the data-parallel ranks, and taken from the last pipeline stage.
-        self.loss_groups = rank_model.loss_reduction_groups(self.mesh, self.mesh_spec)
-        self.pp_group = self.mesh.get_group("pp") if self.mesh_spec.pp > 1 else None
-        self.tp_group = self.mesh.get_group("tp") if self.mesh_spec.tp > 1 else None
-        router_groups = [g for g in self.loss_groups if g is not self.pp_group]
-        router_groups += [self.tp_group] if self.tp_group is not None else []
-        self.inputs = RankInputs(d, self.model_cfg, self.mesh_spec, self.mesh.get_local_rank("cp"), self.ctx,
-                                 runtime.device, self.loss_scale)
-        self.stats = StepStats(self.model_cfg, self.inputs.base, self.model_parts, router_groups, self.loss_groups,
-                               runtime.device)
+        self.loss_groups = meshes.groups(self.mesh_spec.loss_dims)
+        self.pp_group = meshes.group("pp") if self.mesh_spec.pp > 1 else None
+        self.tp_group = meshes.group("tp") if self.mesh_spec.tp > 1 else None
+        self.inputs = RankInputs(layout, meshes.local_rank("cp"), self.ctx, runtime.device)
+        self.stats = StepStats(self.model_cfg, self.inputs.base, self.model_parts,
+                               meshes.groups(self.mesh_spec.router_stats_dims), self.loss_groups, runtime.device)
         self.peak_flops = peak_flops(runtime.device)
         self._last_read_back = 0.0
         # On the CPU the launch does the work, so there is nothing to overlap: read back at once.
@@ -135,13 +118,12 @@ class Trainer:
                                      start_step=self.step)
         self.faults = FaultInjector(runtime.rank, self.run_dir)
         self.stragglers = Stragglers(self.model_parts, t.straggler_every, runtime.device,
-                                     stage=self.mesh.get_local_rank("pp"), is_main=runtime.is_main)
+                                     stage=meshes.local_rank("pp"), is_main=runtime.is_main)
         self.stop_request = StopRequest(self.run_dir, runtime.is_main)
         if runtime.is_main:
             logger.info("model %s: %.2fM parameters | mesh %s | world %d | %s%s", config.model.model,
-                        spec.count_params(families.layers(self.model_cfg)) / 1e6, self.mesh_spec,
-                        runtime.world_size, runtime.device.type,
-                        ep_line(self.model_cfg, self.mesh_spec.ep, self.ep_dispatch))
+                        spec.count_params(layout.layers) / 1e6, self.mesh_spec, runtime.world_size,
+                        runtime.device.type, ep_line(self.model_cfg, self.mesh_spec.ep, layout.parallel.ep_dispatch))
 
     def parameters(self):
         return [param for part in self.model_parts for param in part.parameters()]
@@ -163,8 +145,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=device)
         with self.ctx.kernel_scope():
             for index, (batch, aux) in enumerate(zip(micro_batches, auxes)):
-                set_micro_batch_sync(self.model, last=index == len(micro_batches) - 1,
-                                     everywhere=self.reduce_once)
+                set_micro_batch_sync(self.model, last=index == len(micro_batches) - 1)
                 self.beat.phase("forward")
                 micro_loss = self.model(self.inputs.tokens(batch[0]), aux)
                 if loss_factor != 1.0:

@@ -24,14 +24,16 @@ from parallel import masked_attention
 from parallel.attention_sinks import attention_with_sinks
 from parallel.context_parallel import WHOLE_ROW, context_parallel_attention, mask_sites
 from parallel.expert_parallel import ExpertParallelContextMixin
-from parallel.plan import Plan
+from parallel.layout import ParallelLayout
+from parallel.mesh import Meshes
 from parallel.tensor_parallel import (SEQ_DIM, AllGatherLinear, LinearReduceScatter, TpGroup,
                                       VocabParallelCrossEntropySum, vocab_parallel_linear_cross_entropy_sum)
 
 logger = logging.getLogger("dtrain")
 
-# cuDNN attention is the fastest on Hopper (BENCHMARKS.md), flash next. The memory-efficient
-# kernel is left out: it is slow and gives wrong gradients under load-balanced context parallelism.
+# cuDNN attention is the fastest on Hopper (measured on H200s, forward and backward), flash next.
+# The memory-efficient kernel is left out: it is slow and gives wrong gradients under load-balanced
+# context parallelism.
 CUDA_ATTENTION_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
@@ -88,28 +90,33 @@ def cudnn_takes_head_dims(device_index: int, dtype: torch.dtype, qk_dim: int, v_
 
 class ParallelContext(ExpertParallelContextMixin, LocalContext):
     """Constrains activations to the plan's layout; runs local kernels on the local shards;
-    sends tokens to the ranks holding their experts when ep > 1."""
+    sends tokens to the ranks holding their experts when ep > 1. Everything it does is decided
+    by `layout` (parallel/layout.py); it holds the groups of `meshes` that its layers talk over.
+    `device`: where the layers compute (default: the mesh's device type)."""
 
-    def __init__(self, plan: Plan, mesh: DeviceMesh, cp_method: str = "allgather",
-                 expert_mesh: DeviceMesh | None = None, *, device: torch.device | None = None,
-                 compute_dtype: torch.dtype = torch.float32, attention_kernel: str = "auto"):
-        self.plan = plan
+    def __init__(self, layout: ParallelLayout, meshes: Meshes, *, device: torch.device | None = None):
+        plan = layout.plan
+        mesh, spec = meshes.world, plan.mesh_spec
+        self.layout, self.plan = layout, plan
         self.device = device if device is not None else torch.device(mesh.device_type)
-        self.compute_dtype = compute_dtype
-        self.attention_kernel = attention_kernel
+        self.compute_dtype = layout.compute_dtype
+        self.fuse_projections = layout.fuse_projections
+        self.loss_chunk_tokens = layout.loss_chunk_tokens
+        self.compile_loss_chunks = self.compile_experts = layout.compile
         dims = plan.activation_mesh_dims
         self.activation_mesh = mesh[dims] if dims else None
-        self.cp_group = mesh.get_group("cp") if plan.mesh_spec.cp > 1 else None
-        self.cp_method = cp_method
-        self.ep_group = expert_mesh.get_group("ep") if expert_mesh is not None else None
+        self.cp_group = meshes.group("cp") if spec.cp > 1 else None
+        self.cp_method = layout.cp_comm
+        self.ep_group = meshes.group("ep") if meshes.experts is not None else None
+        self.ep_dispatch = layout.ep_dispatch or "alltoall"
         self.fp8_linear = None
         tp = mesh.get_group("tp") if "tp" in dims else None
         self.tp_group = TpGroup(tp.group_name, tp.size(), tp.rank()) if tp is not None else None
         # How sequence-parallel matmuls gather and scatter (parallel/tensor_parallel.py): "symm_mem",
-        # "chunked", or None for DTensor's separate collectives; set where the plan overlaps.
-        self.tp_overlap: str | None = None
+        # "chunked", or None for DTensor's separate collectives (and wherever the plan does not overlap).
+        self.tp_overlap: str | None = layout.tp_overlap if plan.overlaps_tp else None
         # Ranks holding other tokens of the same samples: cp always, tp inside `per_token`.
-        self.token_shard_groups = [mesh.get_group(dim) for dim in ("cp", "tp") if getattr(plan.mesh_spec, dim) > 1]
+        self.token_shard_groups = meshes.groups(spec.token_shard_dims)
 
     def with_fp8(self, fp8_linear) -> ParallelContext:
         """The same context with its matmuls in FP8 (given to the blocks that use it)."""
@@ -219,8 +226,7 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         sites = mask_sites(self.cp_method, document_ids.shape[1], self.plan.mesh_spec.cp, cp_rank)
 
         def kernel_of(whole_row: bool) -> str:
-            return masked_attention.choose_kernel(self.attention_kernel, self.device, self.compute_dtype,
-                                                  whole_row, window, with_lse=sinks)
+            return self.layout.masked_kernel(whole_row, window, with_lse=sinks)
 
         return masked_attention.build_mask(document_ids, window, sites, kernel_of, self.device, chunk=chunk)
 

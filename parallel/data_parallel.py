@@ -15,18 +15,10 @@ from torch.distributed.tensor import Shard
 
 from models.errors import UserError
 from parallel import precision
-from parallel.mesh import fsdp_shard_dim
+from parallel.layout import FSDPLayout, ParallelLayout
+from parallel.mesh import MeshSpec, Meshes
 from parallel.modules import ModelModule
 from parallel.plan import Plan
-
-
-def data_parallel_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
-    """dp_shard x cp (see `fsdp_shard_dim`), with dp_replicate in front for HSDP."""
-    shard = fsdp_shard_dim(plan.mesh_spec)
-    if plan.mesh_spec.dp_replicate > 1:
-        return mesh["dp_replicate", shard]
-    return mesh[shard]
-
 
 DP_MODES = ("fsdp", "zero1")
 
@@ -47,26 +39,40 @@ def fsdp_settings(dp_mode: str, reshard_mode: str, reduce_once: bool) -> tuple[s
     return "never", True
 
 
-def reduces_once_by_default(shards: int, cpu_offload: bool) -> bool:
-    """Whether an FSDP unit split over `shards` ranks reduces its gradients once per step without
-    --fsdp-reduce-once (`set_micro_batch_sync`): with one shard the whole fp32 gradients take the
-    memory the fp32 shards would, unless CPU offload keeps the shards in host memory. The planner
-    (dtrain/planner/workload.py) asks the same."""
-    return shards == 1 and not cpu_offload
+def units_to_reshard(block_names: list[str], spec: MeshSpec, mode: str, has_mtp: bool) -> frozenset[str]:
+    """The FSDP units whose gathered parameters are freed after their forward and gathered again
+    for their backward (`mode` is --fsdp-reshard-after-forward as the data-parallel mode runs it):
+    blocks, the multi-token prediction layer (`mtp`) and the embedding (`embed`, freed whenever a
+    block is). The head, the routed experts and the root keep theirs through the step."""
+    if mode == "never" or spec.dp_shard * spec.cp == 1:
+        # With one shard there is nothing to free after forward; re-gathering would only cost time.
+        return frozenset()
+    if mode == "always":
+        blocks = list(block_names) + ["mtp"] * has_mtp
+    elif spec.pp > 1:
+        # Under pipelining each block runs once per micro-batch: re-gathering it every time would
+        # multiply the all-gathers, so blocks stay gathered between forward and backward.
+        blocks = []
+    else:
+        # The backward starts with the last block (the MTP layer runs after it): freeing it after
+        # forward would be undone at once.
+        blocks = list(block_names[:-1])
+    return frozenset(blocks + ["embed"] * bool(blocks))
 
 
-def _fully_shard(model: ModelModule, unit: torch.nn.Module, mesh: DeviceMesh, offload: OffloadPolicy, **kwargs) -> None:
-    """fully_shard, noting the unit on the model, and whether it reduces once by default."""
+def _fully_shard(model: ModelModule, unit: torch.nn.Module, mesh: DeviceMesh, offload: OffloadPolicy,
+                 fsdp: FSDPLayout, **kwargs) -> None:
+    """fully_shard, noting the unit on the model, and whether it reduces once per step."""
     fully_shard(unit, mesh=mesh, offload_policy=offload, **kwargs)
     # The shard dim is the mesh's last (HSDP's replicate dim comes first).
-    model.fsdp_units.append((unit, reduces_once_by_default(mesh.size(-1), isinstance(offload, CPUOffloadPolicy))))
+    model.fsdp_units.append((unit, fsdp.reduces_once(mesh.size(-1))))
 
 
-def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, policy, offload: OffloadPolicy) -> None:
+def _shard_experts(model: ModelModule, meshes: Meshes, plan: Plan, fsdp: FSDPLayout, policy,
+                   offload: OffloadPolicy) -> None:
     """Expert weights (split over ep) are sharded over the ranks that hold the same experts:
     edp, with dp_replicate in front for HSDP."""
-    spec = plan.mesh_spec
-    expert_dp_mesh = expert_mesh["dp_replicate", "edp"] if spec.dp_replicate > 1 else expert_mesh["edp"]
+    expert_dp_mesh = meshes.submesh(plan.mesh_spec.expert_fsdp_dims)
     for layer in model.transformer_layers():
         for name, experts in layer.named_modules():
             if name != "moe.experts" and not name.endswith(".moe.experts"):
@@ -74,7 +80,7 @@ def _shard_experts(model: ModelModule, expert_mesh: DeviceMesh, plan: Plan, poli
             # Gathered when the block reads its parameters, and kept until the backward is over:
             # the node has no tensor inputs, so FSDP reduces its gradients at the end of backward.
             # Sharded on the dim the plan says (dim 1 where there are fewer local experts than edp ranks).
-            _fully_shard(model, experts, expert_dp_mesh, offload, mp_policy=policy, reshard_after_forward=False,
+            _fully_shard(model, experts, expert_dp_mesh, offload, fsdp, mp_policy=policy, reshard_after_forward=False,
                          shard_placement_fn=lambda param: Shard(plan.expert_fsdp_dim(tuple(param.shape))))
 
 
@@ -105,61 +111,40 @@ def rescale_expert_grads_(expert_params: list[torch.Tensor], plan: Plan, tp_grou
                                      zip(flat.split([g.numel() for g in grads]), grads)])
 
 
-def set_micro_batch_sync(model: ModelModule, last: bool, everywhere: bool) -> None:
-    """Before each micro-batch: the gradients of the units this applies to accumulate whole until
-    the last backward, which reduces them; parameters a backward gathered stay gathered for the
-    next micro-batch's forward. `everywhere` (--fsdp-reduce-once) applies it to every FSDP unit,
-    else to those that reduce once by default (`reduces_once_by_default`): reducing a unit of one
-    shard after every micro-batch only costs time, FSDP's copy into its reduce buffer (the
-    README's benchmarks measure what it cost)."""
-    for unit, by_default in model.fsdp_units:
-        if everywhere or by_default:
+def set_micro_batch_sync(model: ModelModule, last: bool) -> None:
+    """Before each micro-batch: the gradients of the units that reduce once per step
+    (`FSDPLayout.reduces_once`) accumulate whole until the last backward, which reduces them;
+    parameters a backward gathered stay gathered for the next micro-batch's forward."""
+    for unit, reduces_once in model.fsdp_units:
+        if reduces_once:
             unit.set_requires_gradient_sync(last, recurse=False)
             unit.set_reshard_after_backward(last, recurse=False)
 
 
-def blocks_to_reshard(block_names: list[str], plan: Plan, mode: str = "default") -> set[str]:
-    """The blocks whose gathered parameters are freed after their forward and gathered again for
-    their backward; `mode` is --fsdp-reshard-after-forward."""
-    spec = plan.mesh_spec
-    if mode == "never" or spec.dp_shard * spec.cp == 1:
-        # With one shard there is nothing to free after forward; re-gathering would only cost time.
-        return set()
-    if mode == "always":
-        return set(block_names)
-    if spec.pp > 1:
-        # Under pipelining each block runs once per micro-batch: re-gathering it every time would
-        # multiply the all-gathers, so blocks stay gathered between forward and backward.
-        return set()
-    # The backward starts with the last block: freeing it after forward would be undone at once.
-    return set(block_names[:-1])
-
-
-def apply_fsdp(model: ModelModule, mesh: DeviceMesh, plan: Plan, *, compute_dtype: torch.dtype,
-               expert_mesh: DeviceMesh | None = None, reshard_mode: str = "default", cpu_offload: bool = False) -> None:
-    dp_mesh = data_parallel_mesh(mesh, plan)
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+def apply_fsdp(model: ModelModule, meshes: Meshes, layout: ParallelLayout) -> None:
+    plan, fsdp = layout.plan, layout.fsdp
+    dp_mesh = meshes.submesh(plan.mesh_spec.fsdp_dims)
+    policy = MixedPrecisionPolicy(param_dtype=layout.compute_dtype, reduce_dtype=torch.float32)
     # Pinned host memory makes the copies to and from the GPU asynchronous; there is none without one.
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    common = dict(mesh=dp_mesh, offload=offload, mp_policy=policy)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if fsdp.cpu_offload else OffloadPolicy()
+    common = dict(mesh=dp_mesh, offload=offload, fsdp=fsdp, mp_policy=policy)
     # Before fully_shard, which takes the all-gather hooks of the parameters it shards: with
-    # tensorwise FP8 the blocks' matmul weights are gathered in float8 (precision.py says when).
-    precision.wrap_for_float8_all_gather(model, plan.mesh_spec, dp_mesh.device_type)
-    if expert_mesh is not None:
-        _shard_experts(model, expert_mesh, plan, policy, offload)
-    resharded = blocks_to_reshard(list(model.blocks), plan, reshard_mode)
-    for name, block in model.blocks.items():
-        _fully_shard(model, block, reshard_after_forward=name in resharded, **common)
+    # tensorwise FP8 the blocks' matmul weights are gathered in float8 where the layout says so.
+    if layout.fp8 is not None and layout.fp8.all_gather:
+        precision.wrap_for_float8_all_gather(model)
+    if meshes.experts is not None:
+        _shard_experts(model, meshes, plan, fsdp, policy, offload)
+    resharded = fsdp.resharded
+    for block in model.blocks.values():
+        _fully_shard(model, block, reshard_after_forward=block.layer_name in resharded, **common)
     if model.mtp is not None:
         # Its parameters are its own; the ones it shares with the embedding and head stay with them.
-        # It runs last (and its backward first), so it keeps its gathered parameters, as the last block.
-        _fully_shard(model, model.mtp, reshard_after_forward=reshard_mode == "always", **common)
+        _fully_shard(model, model.mtp, reshard_after_forward="mtp" in resharded, **common)
     if not model.tied:
         # Parameters another layer reads (a tied embedding and head, the weights multi-token
         # prediction shares) stay in the root's group, gathered for the whole step.
         if model.embed is not None:
-            # Freed after forward like the blocks, whenever any block is.
-            _fully_shard(model, model.embed, reshard_after_forward=bool(resharded), **common)
+            _fully_shard(model, model.embed, reshard_after_forward="embed" in resharded, **common)
         if model.head is not None:
             # The backward starts with the head: resharding it after forward would be undone at once.
             _fully_shard(model, model.head, reshard_after_forward=False, **common)

@@ -51,6 +51,7 @@ class MaskForm:
     window: int | None = None
 
 
+@functools.cache
 def flash_attn_varlen():
     """flash-attn's variable-length function where the package (the `flash` extra) is installed."""
     try:
@@ -70,22 +71,31 @@ def _torch_varlen():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def varlen_available(window: int | None) -> bool:
+def varlen_available(windowed: bool) -> bool:
     if flash_attn_varlen() is not None:
         return True
     function, params = _torch_varlen()
-    return function is not None and (window is None or "window_size" in params)
+    return function is not None and (not windowed or "window_size" in params)
 
 
-def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype, whole_row: bool,
-                  window: int | None, with_lse: bool = False) -> str:
-    """The kernel of one site (the module docstring gives the rule); `with_lse`: the attention
-    needs the log-sum-exp too (attention sinks), which the variable-length kernel does not give."""
+def kernels(requested: str, device_type: str, dtype: torch.dtype) -> dict[tuple[bool, bool, bool], str]:
+    """The kernel of every kind of site, by (whole row, windowed, with log-sum-exp)."""
+    flags = (False, True)
+    return {(whole_row, windowed, with_lse): choose_kernel(requested, device_type, dtype, whole_row, windowed, with_lse)
+            for whole_row in flags for windowed in flags for with_lse in flags}
+
+
+def choose_kernel(requested: str, device_type: str, dtype: torch.dtype, whole_row: bool,
+                  windowed: bool, with_lse: bool = False) -> str:
+    """The kernel of one kind of site (the module docstring gives the rule): `whole_row`, the site
+    is the whole row in order; `windowed`, its layer has a sliding window or chunks; `with_lse`, the
+    attention needs the log-sum-exp too (attention sinks), which the variable-length kernel does not
+    give."""
     if requested not in ATTENTION_KERNELS:
         raise UserError(f"unknown --attention-kernel {requested!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
-    if device.type != "cuda" or requested == "dense":
+    if device_type != "cuda" or requested == "dense":
         return "dense"
-    varlen_fits = (whole_row and dtype in (torch.bfloat16, torch.float16) and varlen_available(window)
+    varlen_fits = (whole_row and dtype in (torch.bfloat16, torch.float16) and varlen_available(windowed)
                    and not with_lse)
     if requested in ("auto", "varlen") and varlen_fits:
         return "varlen"

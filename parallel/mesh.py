@@ -1,4 +1,9 @@
-"""Parsing `--mesh` strings and building the named DeviceMesh.
+"""Parsing `--mesh` strings, the mesh dims of each role, and building the named device meshes.
+
+    spec = MeshSpec.parse("pp=2,dp=4,tp=8", 64)
+    spec.fsdp_dims, spec.loss_dims          # ("dp_shard",), ("dp_shard", "pp"): decisions, not groups
+    meshes = build_meshes(spec, "cuda")     # at run time: the DeviceMeshes, once
+    meshes.group("tp"), meshes.submesh(spec.fsdp_dims)
 
 Mesh dims run from outermost (slowest links) to innermost: pp, dp_replicate, dp_shard, cp, tp.
 Expert parallelism does not add ranks: `ep` borrows them from dp_shard x cp.
@@ -9,7 +14,6 @@ from __future__ import annotations
 import math
 
 import attrs
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from models.errors import UserError
@@ -83,6 +87,56 @@ class MeshSpec:
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def edp(self) -> int:
+        """Ranks of dp_shard x cp that hold the same experts (the expert mesh's `edp` dim)."""
+        return self.dp_shard * self.cp // self.ep
+
+    # Each role's mesh dims: the only place that says which ranks a role spans.
+
+    @property
+    def fsdp_shard_dim(self) -> str:
+        """The mesh dim FSDP shards over: dp_shard x cp. A plain dim where one of them is 1: torch
+        deprecates slicing a flattened dim from the root mesh, so only dp_shard x cp needs it."""
+        if self.cp == 1:
+            return "dp_shard"
+        return "cp" if self.dp_shard == 1 else FSDP_SHARD_DIM
+
+    @property
+    def fsdp_dims(self) -> tuple[str, ...]:
+        """Where FSDP keeps parameters: sharded over dp_shard x cp, with dp_replicate in front for HSDP."""
+        return ("dp_replicate",) * (self.dp_replicate > 1) + (self.fsdp_shard_dim,)
+
+    @property
+    def expert_fsdp_dims(self) -> tuple[str, ...]:
+        """Where FSDP keeps the expert weights (ep > 1): sharded over edp, HSDP's dp_replicate in front."""
+        return ("dp_replicate",) * (self.dp_replicate > 1) + ("edp",)
+
+    @property
+    def loss_dims(self) -> tuple[str, ...]:
+        """The dims a step's loss is summed over: the ranks holding other rows or tokens, and the
+        pipeline ranks (the loss comes from the last stage)."""
+        return tuple(dim for dim in ("dp_shard", "dp_replicate", "cp", "pp") if getattr(self, dim) > 1)
+
+    @property
+    def router_stats_dims(self) -> tuple[str, ...]:
+        """The dims the MoE routers' statistics are summed over: every rank counts its own tokens
+        (tp ranks each route their share of them); pipeline stages hold other layers."""
+        return tuple(dim for dim in self.loss_dims if dim != "pp") + ("tp",) * (self.tp > 1)
+
+    @property
+    def token_shard_dims(self) -> tuple[str, ...]:
+        """Ranks holding other tokens of the same samples: cp always, tp where it splits them."""
+        return tuple(dim for dim in ("cp", "tp") if getattr(self, dim) > 1)
+
+    def roles(self) -> dict[str, list[str]]:
+        """Each role's mesh dims by name (what --print-plan shows)."""
+        roles = {"loss": list(self.loss_dims), "fsdp": list(self.fsdp_dims),
+                 **{dim: [dim] for dim in ("tp", "cp", "pp") if getattr(self, dim) > 1}}
+        if self.ep > 1:
+            roles.update(ep=["ep"], expert_fsdp=list(self.expert_fsdp_dims))
+        return roles
+
     def sizes(self) -> dict[str, int]:
         return {dim: getattr(self, dim) for dim in MESH_DIMS}
 
@@ -115,14 +169,6 @@ def build_device_mesh(spec: MeshSpec, device_type: str) -> DeviceMesh:
     return mesh
 
 
-def fsdp_shard_dim(spec: MeshSpec) -> str:
-    """The mesh dim FSDP shards over: dp_shard x cp. A plain dim where one of them is 1: torch
-    deprecates slicing a flattened dim from the root mesh, so only dp_shard x cp needs it."""
-    if spec.cp == 1:
-        return "dp_shard"
-    return "cp" if spec.dp_shard == 1 else FSDP_SHARD_DIM
-
-
 # Expert parallelism borrows ranks from dp_shard x cp: the same ranks seen as (edp, ep), ep
 # innermost, so that each group of ep consecutive data/context ranks shares one set of experts.
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")
@@ -137,5 +183,33 @@ def build_expert_mesh(spec: MeshSpec, device_type: str) -> DeviceMesh | None:
     return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+EXPERT_DIMS = ("edp", "ep")
+
+
+@attrs.frozen(eq=False)
+class Meshes:
+    """A run's device meshes: `world` (MESH_DIMS) and, with ep > 1, `experts` (EXPERT_MESH_DIMS,
+    the same ranks). Roles name their dims (MeshSpec's `*_dims`); this finds their groups."""
+
+    world: DeviceMesh
+    experts: DeviceMesh | None = None
+
+    def _holder(self, dims: tuple[str, ...]) -> DeviceMesh:
+        return self.experts if any(dim in EXPERT_DIMS for dim in dims) else self.world
+
+    def group(self, dim: str):
+        return self._holder((dim,)).get_group(dim)
+
+    def groups(self, dims: tuple[str, ...]) -> list:
+        return [self.group(dim) for dim in dims]
+
+    def submesh(self, dims: tuple[str, ...]) -> DeviceMesh:
+        return self._holder(dims)[dims if len(dims) > 1 else dims[0]]
+
+    def local_rank(self, dim: str) -> int:
+        return self._holder((dim,)).get_local_rank(dim)
+
+
+def build_meshes(spec: MeshSpec, device_type: str) -> Meshes:
+    """The device meshes of a run, built once over the default process group."""
+    return Meshes(build_device_mesh(spec, device_type), build_expert_mesh(spec, device_type))

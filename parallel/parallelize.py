@@ -1,88 +1,84 @@
-"""From layer specs to a model laid out on the mesh, in the order the steps must happen:
-parameters placed for the model-parallel dims (on `meta`), recompute, compile, data parallelism,
-then real memory and the mesh-independent initial values."""
+"""From layer specs to this rank's model laid out on the mesh, one step after another in the
+order they must happen: parameters placed for the model-parallel dims (on `meta`), FP8, recompute,
+compile, data parallelism, then real memory and the mesh-independent initial values. Every choice
+comes from the layout (parallel/layout.py); nothing here reads an option."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models import mixtral, spec
 from parallel import data_parallel, precision, recompute, te_experts, tensor_parallel
 from parallel.context import ParallelContext
+from parallel.layout import ParallelLayout
+from parallel.mesh import Meshes
 from parallel.modules import ModelModule
-from parallel.plan import Plan
 
 
-def parallelize(layers: list[spec.Layer], plan: Plan, mesh: DeviceMesh, *, device: torch.device,
-                seed: int, compute_dtype: torch.dtype, recompute_mode: str = "none",
-                compile_blocks: bool = False, async_tp: bool = False, tp_overlap: str | None = None,
-                cp_method: str = "allgather", expert_mesh: DeviceMesh | None = None, ep_dispatch: str = "alltoall",
-                fp8_linear=None, fp8_layers: frozenset[str] = frozenset(), fp8_head: bool = False,
-                fp8_experts: bool = False, fuse_projections: bool = False, loss_chunk_tokens: int = 0,
-                reshard_mode: str = "default", attention_kernel: str = "auto",
-                full_recompute: frozenset[str] = frozenset(), cpu_offload: bool = False,
-                ) -> tuple[ModelModule, ParallelContext]:
-    """This rank's model: parameters placed by the plan, blocks wrapped for recompute (the blocks
-    named in `full_recompute` fully, the others by `recompute_mode`) and compile, FSDP2 applied.
-    On `device=meta` it stays without memory until `materialize`."""
+def parallelize(layers: list[spec.Layer], layout: ParallelLayout, meshes: Meshes, *, device: torch.device,
+                fp8=None) -> ModelModule:
+    """This rank's model of `layers` (`model.ctx` its context). On `device=meta` it stays without
+    memory until `materialize`. `fp8`: the FP8 matmuls' backend (`precision.fp8_backend`, one for
+    all of a rank's pipeline stages), None without FP8."""
     # A model built on `meta` computes on the mesh's device (the dry run's fake tensors: the CPU).
-    ctx = ParallelContext(plan, mesh, cp_method, expert_mesh, device=device if device.type != "meta" else None,
-                          compute_dtype=compute_dtype, attention_kernel=attention_kernel)
-    ctx.fuse_projections = fuse_projections
-    ctx.loss_chunk_tokens = loss_chunk_tokens
-    ctx.compile_loss_chunks = compile_blocks
-    ctx.compile_experts = compile_blocks
-    ctx.ep_dispatch = ep_dispatch
-    if async_tp:
-        enable_async_tp(mesh)
-    if plan.overlaps_tp:
-        # Without a method the blocks' inputs are gathered on their own before their matmuls.
-        ctx.tp_overlap = tp_overlap
-        if tp_overlap == "symm_mem":
-            tensor_parallel.enable_symmetric_memory(ctx.tp_group)
-    param_mesh = mesh[plan.param_mesh_dims] if plan.param_mesh_dims else None
+    ctx = ParallelContext(layout, meshes, device=device if device.type != "meta" else None)
+    if ctx.tp_overlap == "symm_mem" or layout.async_tp:
+        # The tp group's buffers in symmetric memory, for torch's fused matmuls (ours or inductor's).
+        tensor_parallel.enable_symmetric_memory(ctx.tp_group)
+    model = ModelModule(layers, _param_maker(layout, meshes), ctx)
+    if fp8 is not None:
+        _apply_fp8(model, layout, ctx, fp8)
+    options = {"options": {"_micro_pipeline_tp": True}} if layout.async_tp else {}
+    for block in model.transformer_layers():
+        block.forward_fn = recompute.wrap(block.forward_fn, layout.recompute_of(block.layer_name))
+        if layout.compile:
+            block.forward_fn = torch.compile(block.forward_fn, **options)
+    if layout.compile and model.head is not None:
+        # Final norm, output projection and loss in one graph: the cross-entropy over the vocab
+        # fuses into a few passes instead of materialising fp32 logits.
+        model.head.forward_fn = torch.compile(model.head.forward_fn, **options)
+    data_parallel.apply_fsdp(model, meshes, layout)
+    if device.type != "meta":
+        materialize(model, device, layout.seed, cpu_offload=layout.fsdp.cpu_offload)
+    return model
+
+
+def _param_maker(layout: ParallelLayout, meshes: Meshes):
+    """Each parameter on `meta`, placed by the plan: expert weights over the expert mesh's `ep`,
+    the others over the model-parallel dims (FSDP shards them further)."""
+    plan = layout.plan
+    param_mesh = meshes.world[plan.param_mesh_dims] if plan.param_mesh_dims else None
 
     def make_param(path: str, param: spec.ParamSpec) -> nn.Parameter:
         value = torch.empty(param.shape, device="meta")
-        if expert_mesh is not None and plan.is_expert(param.axes):
-            placements = plan.expert_placements(param.axes)
-            value = distribute_tensor(value, expert_mesh["ep"], placements, src_data_rank=None)
+        if meshes.experts is not None and plan.is_expert(param.axes):
+            value = distribute_tensor(value, meshes.experts["ep"], plan.expert_placements(param.axes),
+                                      src_data_rank=None)
         elif param_mesh is not None:
             value = distribute_tensor(value, param_mesh, plan.param_placements(param.axes), src_data_rank=None)
         return nn.Parameter(value, requires_grad=param.trainable)
 
-    model = ModelModule(layers, make_param, ctx)
-    fp8_modules = [b for b in model.transformer_layers() if b.layer_name in fp8_layers]
-    if fp8_head and model.head is not None:
+    return make_param
+
+
+def _apply_fp8(model: ModelModule, layout: ParallelLayout, ctx: ParallelContext, fp8) -> None:
+    """The FP8 layers' contexts: each layer's own matmuls (Transformer Engine's delayed scaling
+    keeps state per matmul), and its routed experts' where they run in FP8 too."""
+    fp8_modules = [b for b in model.transformer_layers() if b.layer_name in layout.fp8_layers]
+    if layout.fp8.head and model.head is not None:
         fp8_modules.append(model.head)
-    if fp8_linear is not None and fp8_modules:
-        # Each FP8 layer's own matmuls (Transformer Engine's delayed scaling keeps state per matmul).
-        layer_fp8 = fp8_linear.for_layers({m.layer_name: _fp8_matmuls(m.layer_name, model.specs)
-                                           for m in fp8_modules})
-        if fp8_experts:
-            routed = {m.layer_name: _routed_experts(m.layer_name, model.specs) for m in fp8_modules}
-            for name, experts in te_experts.for_layers(fp8_linear, {n: e for n, e in routed.items() if e}).items():
-                layer_fp8[name].experts = experts
-        for module in fp8_modules:
-            module.ctx = ctx.with_fp8(layer_fp8[module.layer_name])
-            module.forward_fn = layer_fp8[module.layer_name].wrap_forward(module.forward_fn)
-    for block in model.transformer_layers():
-        mode = "full" if block.layer_name in full_recompute else recompute_mode
-        block.forward_fn = recompute.wrap(block.forward_fn, mode)
-        if compile_blocks:
-            block.forward_fn = torch.compile(block.forward_fn)
-    if compile_blocks and model.head is not None:
-        # Final norm, output projection and loss in one graph: the cross-entropy over the vocab
-        # fuses into a few passes instead of materialising fp32 logits.
-        model.head.forward_fn = torch.compile(model.head.forward_fn)
-    data_parallel.apply_fsdp(model, mesh, plan, compute_dtype=compute_dtype, expert_mesh=expert_mesh,
-                             reshard_mode=reshard_mode, cpu_offload=cpu_offload)
-    if device.type != "meta":
-        materialize(model, device, seed, cpu_offload=cpu_offload)
-    return model, ctx
+    if not fp8_modules:
+        return
+    layer_fp8 = fp8.for_layers({m.layer_name: _fp8_matmuls(m.layer_name, model.specs) for m in fp8_modules})
+    if layout.fp8.experts:
+        routed = {m.layer_name: _routed_experts(m.layer_name, model.specs) for m in fp8_modules}
+        for name, experts in te_experts.for_layers(fp8, {n: e for n, e in routed.items() if e}).items():
+            layer_fp8[name].experts = experts
+    for module in fp8_modules:
+        module.ctx = ctx.with_fp8(layer_fp8[module.layer_name])
+        module.forward_fn = layer_fp8[module.layer_name].wrap_forward(module.forward_fn)
 
 
 def _fp8_matmuls(layer_name: str, specs: dict[str, spec.ParamSpec]) -> int:
@@ -106,15 +102,6 @@ def materialize(model: ModelModule, device: torch.device, seed: int, *, cpu_offl
     model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     # Drawn on the compute device either way: CPU and CUDA generators give other values.
     init_parameters(model, seed, draw_on=device)
-
-
-def enable_async_tp(mesh: DeviceMesh) -> None:
-    """torch.compile's micro-pipelined TP: each sequence-parallel all-gather (reduce-scatter) is
-    split and fused with the matmul that consumes (produces) it, over symmetric memory."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(mesh["tp"].get_group().group_name)
 
 
 @torch.no_grad()

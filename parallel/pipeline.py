@@ -45,9 +45,10 @@ V_SHAPED = ("zbv",)
 SPLIT_BACKWARD = ("zb", "zbv")
 
 
-def validate_schedule(schedule: str, pp: int, virtual: int, num_microbatches: int, num_blocks: int,
-                      layout: str | None, on_gpus: bool = False) -> None:
-    """Every pipeline check that needs no memory, with what to change."""
+def validate_schedule(schedule: str, pp: int, virtual: int, num_blocks: int, layout: str | None,
+                      on_gpus: bool = False) -> None:
+    """Every check of the pipeline's split and schedule that needs no memory, with what to change
+    (the micro-batches: `validate_microbatches`)."""
     if schedule not in SCHEDULES:
         raise UserError(f"unknown --pp-schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if schedule in SPLIT_BACKWARD and on_gpus:
@@ -66,14 +67,18 @@ def validate_schedule(schedule: str, pp: int, virtual: int, num_microbatches: in
     if num_blocks < num_stages:
         raise UserError(f"{num_blocks} blocks cannot fill pp={pp} x {virtual} virtual stages = {num_stages} "
                         f"stages; lower pp or --pp-virtual-stages")
+    if layout:
+        parse_layout(layout, num_blocks, num_stages)
+
+
+def validate_microbatches(schedule: str, pp: int, num_microbatches: int) -> None:
+    """The micro-batches of a step fill the schedule."""
     if num_microbatches < pp:
         raise UserError(f"{num_microbatches} micro-batches per step are fewer than pp={pp} stages; raise "
                         f"--global-batch or lower --micro-batch so each rank runs >= {pp}")
     if schedule not in SINGLE_STAGE and num_microbatches % pp:
         raise UserError(f"--pp-schedule {schedule} needs the micro-batches per step ({num_microbatches}) to "
                         f"be a multiple of pp={pp}; change --global-batch or --micro-batch")
-    if layout:
-        parse_layout(layout, num_blocks, num_stages)
 
 
 def ideal_bubble(pp: int, virtual: int, num_microbatches: int) -> float:
@@ -279,10 +284,6 @@ class TiedCopies:
 
 def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches: int, loss_fn):
     schedule_cls = SCHEDULES[schedule]
-    if schedule in SPLIT_BACKWARD:
-        # A compiled block's backward may not free ("donate") its saved buffers when the graph is
-        # retained for a second pass; without this the weight-gradient pass fails under --compile.
-        torch._functorch.config.donated_buffer = False
     # The loss function already scales each micro-batch's loss to the global batch.
     if schedule in SINGLE_STAGE:
         return schedule_cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -345,6 +346,10 @@ class PipelineRunner:
 
         self.loss_scale = loss_scale
         self.num_microbatches = num_microbatches
+        # A compiled block's backward may not free ("donate") its saved buffers when the graph is
+        # retained for a second pass; without this the weight-gradient pass fails under --compile.
+        # Set while this runner's schedule runs (the blocks compile in its first step), not for the process.
+        self._compile_settings = ({"donated_buffer": False} if schedule in SPLIT_BACKWARD else {})
         self._calls: dict = {}
         self.stages = [PipelineStage(module, index, num_stages, device, group=group)
                        for module, index in zip(parts, stage_indices)]
@@ -377,7 +382,8 @@ class PipelineRunner:
         # Split like the inputs, one entry per micro-batch, and given to every stage: the index of
         # the micro-batch a stage runs, so that it reads that micro-batch's aux.
         micro_batch = torch.arange(self.num_microbatches)
-        run(*args, target=target, losses=losses, micro_batch=micro_batch)
+        with torch._functorch.config.patch(**self._compile_settings):
+            run(*args, target=target, losses=losses, micro_batch=micro_batch)
         self._count_last_calls()
         if not losses:
             return torch.zeros((), device=labels.device)

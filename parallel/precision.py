@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from models.errors import UserError
 from models.spec import ParamSpec
 from parallel import te_linear
+from parallel.layout import FP8Layout
 from parallel.mesh import MeshSpec
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -44,14 +45,17 @@ def check_fp8_recipe(recipe: str | None, backend: str) -> None:
                         + ("; per-tensor dynamic scaling is --fp8 current there" if recipe == "tensorwise" else ""))
 
 
-def validate_fp8(recipe: str | None, backend: str, dims: list[int], tokens: int) -> None:
-    """Before any memory: the recipe belongs to the backend, and every matmul dim FP8 sees (and,
-    for Transformer Engine, the tokens of each matmul) suits the FP8 kernels."""
+def validate_fp8(recipe: str | None, backend: str, dims: list[int], check_here: bool) -> None:
+    """Before any memory: the recipe belongs to the backend, and every matmul dim FP8 sees suits the
+    FP8 kernels; `check_here`: Transformer Engine is asked whether it runs the recipe on this
+    machine too."""
     if recipe is None:
         return
     check_fp8_recipe(recipe, backend)
     if backend == "te":
-        te_linear.validate(recipe, dims, tokens)
+        if check_here:
+            te_linear.check_support(recipe)
+        te_linear.check_dims(recipe, dims)
         return
     odd = sorted({d for d in dims if d % 16})
     if odd:
@@ -64,7 +68,7 @@ class Float8Linear:
     to float8 per the recipe, the GEMMs run in FP8 with high-precision accumulation. `emulate`
     runs the same casts with high-precision matmuls, for machines without FP8 GEMMs (the CPU)."""
 
-    def __init__(self, recipe: str, emulate: bool, float8_all_gather: bool = True):
+    def __init__(self, recipe: str, emulate: bool):
         from torchao.float8 import Float8LinearConfig, LinearMMConfig, ScaledMMConfig
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
@@ -73,8 +77,6 @@ class Float8Linear:
         self.config = config
         self.mm_config = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, config.pad_inner_dim)
                                           for g in gemms))
-        # Asked for: FSDP gathers the weights in float8 where `float8_all_gather_blocker` allows.
-        self.float8_all_gather = float8_all_gather
         self._matmul = matmul_with_hp_or_float8_args
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -104,24 +106,17 @@ class Float8Linear:
         return forward
 
 
-def fp8_backend(recipe: str | None, backend: str, device: torch.device, *, float8_all_gather: bool = True,
-                amax_groups: list | None = None, grad_scale: float = 1.0, amax_history_len: int = 1024):
-    """The FP8 backend of a run (None without --fp8): torchao's `Float8Linear`, or Transformer
-    Engine's `TELinear` (delayed scaling reduces amaxes over `amax_groups`; see te_linear.py)."""
-    if recipe is None:
+def fp8_backend(fp8: FP8Layout | None, device: torch.device, *, amax_groups: list | None = None,
+                grad_scale: float = 1.0):
+    """The FP8 backend of a run (None without FP8): torchao's `Float8Linear` (its casts emulated
+    where the layout says the GPU has no FP8 GEMMs), or Transformer Engine's `TELinear` (delayed
+    scaling reduces amaxes over `amax_groups`; see te_linear.py)."""
+    if fp8 is None:
         return None
-    if backend == "te":
-        return te_linear.TELinear(recipe, device, amax_groups=amax_groups, grad_scale=grad_scale,
-                                  amax_history_len=amax_history_len)
-    return fp8_linear(recipe, device, float8_all_gather)
-
-
-def fp8_linear(recipe: str | None, device: torch.device, float8_all_gather: bool = True) -> Float8Linear | None:
-    if recipe is None:
-        return None
-    # FP8 GEMMs need Hopper-class GPUs (compute capability 8.9+); elsewhere the casts are emulated.
-    native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-    return Float8Linear(recipe, emulate=not native, float8_all_gather=float8_all_gather)
+    if fp8.backend == "te":
+        return te_linear.TELinear(fp8.recipe, device, amax_groups=amax_groups, grad_scale=grad_scale,
+                                  amax_history_len=fp8.amax_history)
+    return Float8Linear(fp8.recipe, emulate=fp8.emulated)
 
 
 def fp8_blocks(num_layers: int, keep_ends: bool) -> frozenset[str]:
@@ -143,16 +138,27 @@ def is_fp8_matmul_weight(axes: tuple[str, ...]) -> bool:
     return len(axes) == 2 and set(axes) <= _MATMUL_WEIGHT_AXES
 
 
-def float8_all_gather_blocker(fp8_linear: Float8Linear, mesh_spec: MeshSpec, device_type: str) -> str | None:
+# torchao's recipes that scale a weight with one dynamic scale for both GEMMs that use it: then one
+# float8 copy, cast shard by shard with that scale, serves forward and backward
+# (`Float8Linear.casts_weight_per_tensor` reads the same from torchao's config). The rowwise recipes
+# cast the weight twice (per row for the output, per column for the input gradient).
+PER_TENSOR_WEIGHT_RECIPES = ("tensorwise",)
+
+
+def float8_all_gather_blocker(recipe: str, backend: str, requested: bool, mesh_spec: MeshSpec,
+                              device_type: str) -> str | None:
     """Why FSDP must all-gather the FP8 blocks' weights in bf16, or None when float8 is allowed.
 
-    bf16 stays for: the rowwise recipes (a weight cast per row and again per column has no one
-    float8 copy to gather), tensor parallelism (a tp-split weight is a DTensor, and dtrain's TP
-    matmuls do not go through torchao's float8 TP styles), one FSDP shard (nothing to gather),
-    and devices whose collectives cannot move float8 (gloo on CPU)."""
-    if not fp8_linear.float8_all_gather:
+    bf16 stays for: Transformer Engine (it quantizes the weight FSDP has gathered in bf16), the
+    rowwise recipes (a weight cast per row and again per column has no one float8 copy to gather),
+    tensor parallelism (a tp-split weight is a DTensor, and dtrain's TP matmuls do not go through
+    torchao's float8 TP styles), one FSDP shard (nothing to gather), and devices whose collectives
+    cannot move float8 (gloo on CPU)."""
+    if not requested:
         return "turned off (--no-fp8-all-gather)"
-    if not fp8_linear.casts_weight_per_tensor:
+    if backend != "torchao":
+        return "Transformer Engine gathers bf16 weights and quantizes them itself"
+    if recipe not in PER_TENSOR_WEIGHT_RECIPES:
         return "the recipe scales weights per row"
     if mesh_spec.tp > 1:
         return "tp splits the weights"
@@ -176,14 +182,14 @@ def float8_all_gather_weights(block: nn.Module, specs: dict[str, ParamSpec]) -> 
     return names
 
 
-def wrap_for_float8_all_gather(model: nn.Module, mesh_spec: MeshSpec, device_type: str) -> list[str]:
-    """Before `fully_shard`: wraps the FP8 blocks' matmul weights so that FSDP all-gathers them
-    in float8, when `float8_all_gather_blocker` allows it. Returns the wrapped names."""
-    # torchao's only: Transformer Engine quantizes the weight FSDP has gathered in bf16.
+def wrap_for_float8_all_gather(model: nn.Module) -> list[str]:
+    """Before `fully_shard`, where the layout allows it (`float8_all_gather_blocker`): wraps the FP8
+    blocks' matmul weights so that FSDP all-gathers them in float8. Returns the wrapped names."""
     fp8_linears = {id(b.ctx.fp8_linear): b.ctx.fp8_linear for b in model.blocks.values()
                    if isinstance(getattr(b.ctx, "fp8_linear", None), Float8Linear)}
-    if not fp8_linears or any(float8_all_gather_blocker(f, mesh_spec, device_type) for f in fp8_linears.values()):
+    if not fp8_linears:
         return []
+    assert all(f.casts_weight_per_tensor for f in fp8_linears.values()), "float8 all-gather of a rowwise recipe"
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     for fp8 in fp8_linears.values():

@@ -63,8 +63,8 @@ def make_recipe(name: str):
     return getattr(te_recipe, _RECIPE_CLASSES[name])()
 
 
-def validate(recipe: str, dims: list[int], tokens: int) -> None:
-    """Before any memory: TE imports, runs `recipe` on this GPU, and the shapes suit its kernels."""
+def check_support(recipe: str) -> None:
+    """Before any memory: TE imports and runs `recipe` on this GPU."""
     te = import_te()
     try:
         supported, reason = getattr(te, _SUPPORT_CHECKS[recipe])(return_reason=True)
@@ -73,11 +73,20 @@ def validate(recipe: str, dims: list[int], tokens: int) -> None:
     if not supported:
         others = "delayed or current" if recipe in ("mxfp8", "blockwise") else "--fp8-backend torchao"
         raise UserError(f"--fp8 {recipe} does not run here: {str(reason).strip()}; use {others}")
+
+
+def check_dims(recipe: str, dims: list[int]) -> None:
+    """Every matmul dim suits TE's kernels for `recipe` (and the tokens: `check_tokens`)."""
     align = ALIGNMENT[recipe]
     odd = sorted({d for d in dims if d % align})
     if odd:
         raise UserError(f"--fp8 {recipe} needs every matmul dim to be a multiple of {align}, but the model has "
                         f"{odd}; change the model shape or the recipe")
+
+
+def check_tokens(recipe: str, tokens: int) -> None:
+    """The tokens of each matmul suit TE's kernels for `recipe`."""
+    align = ALIGNMENT[recipe]
     if tokens % align:
         raise UserError(f"--fp8 {recipe} needs the tokens of each matmul (micro-batch x sequence per rank = "
                         f"{tokens}) to be a multiple of {align}; change --micro-batch or --seq-len")

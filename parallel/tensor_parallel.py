@@ -70,12 +70,14 @@ def symm_mem_available() -> bool:
 
 
 def resolve_method(choice: str, *, sequence_parallel: bool, tp: int, device_type: str,
-                   async_tp: bool = False) -> str | None:
-    """The overlap method `--tp-overlap` resolves to, or None for the unfused collectives.
+                   async_tp: bool = False, symm_mem: bool = False) -> str | None:
+    """The overlap method `--tp-overlap` resolves to on a machine of `device_type` (`symm_mem`: its
+    torch has the fused symmetric-memory matmuls, `symm_mem_available`), or None for the unfused
+    collectives.
 
     `auto` keeps the separate collectives on CUDA, where the fused symmetric-memory ops measured
-    slower on two H200s (llama-1b tp=2 SP: 34,389 against 44,461 tokens/s/GPU; llama-8b: 8,258
-    against 8,596), and overlaps in chunks elsewhere; none under `--async-tp`, which asks
+    slower than them on two H200s (llama-1b and llama-8b at tp=2 with sequence parallelism; the
+    README's tables), and overlaps in chunks elsewhere; none under `--async-tp`, which asks
     inductor to find the same fusion itself."""
     if choice not in OVERLAP_CHOICES:
         raise UserError(f"unknown --tp-overlap {choice!r}; choose one of {', '.join(OVERLAP_CHOICES)}")
@@ -88,7 +90,7 @@ def resolve_method(choice: str, *, sequence_parallel: bool, tp: int, device_type
     if choice == "symm_mem" and device_type != "cuda":
         raise UserError("--tp-overlap symm_mem needs CUDA GPUs (torch's symmetric memory); use "
                         "--tp-overlap chunked")
-    if choice == "symm_mem" and not symm_mem_available():
+    if choice == "symm_mem" and not symm_mem:
         raise UserError("--tp-overlap symm_mem: this torch build has no fused symmetric-memory matmuls; use "
                         "--tp-overlap chunked or none")
     if choice == "none" or not active or (choice == "auto" and async_tp):

@@ -12,8 +12,8 @@ from tools import bench, bench_tables
 
 
 def test_cpu_run_prints_one_json_line_with_its_profile_and_ceiling(tmp_path):
-    from dtrain.config import load_config
     from dtrain.planner import steptime
+    from tests.layouts import resolved
     from tools.profile_breakdown import CATEGORIES
 
     args = ["--run-dir", str(tmp_path / "run"), "--precision", "fp32", "--seq-len", "64", "--micro-batch", "2"]
@@ -24,7 +24,7 @@ def test_cpu_run_prints_one_json_line_with_its_profile_and_ceiling(tmp_path):
     assert len(lines) == 1
     row = json.loads(lines[0])
     assert row["shape"] == "tiny" and row["tokens_per_sec_per_gpu"] > 0 and row["steps"] == 4
-    assert row["ceiling"] == steptime.ceiling(load_config([*bench.SHAPES["tiny"], *args]), 1).as_dict()
+    assert row["ceiling"] == steptime.ceiling(resolved([*bench.SHAPES["tiny"], *args])).as_dict()
     # Three steps profiled after the warm-up step; on a CPU run the ops are the work.
     profile = row["profile"]
     assert profile["steps"] == 3 and set(profile["ms"]) == set(CATEGORIES)

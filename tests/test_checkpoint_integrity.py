@@ -21,12 +21,12 @@ from dtrain.checkpoint import storage as ckpt
 from dtrain.config import OptimArgs, load_config, to_toml
 from dtrain.data import TokenDataset
 from dtrain.optim import lr_multiplier
-from dtrain.layout.checks import validate, with_global_batch
 from dtrain.run import main
 from dtrain.trainer import Trainer
 from models.errors import UserError
 from tests.damage import flip_middle_bytes, same_size_garbage
 from tests.launch import REPO, TINY_ARGS, run_cli, scalars
+from tests.layouts import resolved
 
 
 def test_each_rank_hashes_what_it_wrote_and_verifies_its_share(tmp_path):
@@ -113,11 +113,10 @@ def test_resume_with_another_global_batch_and_lr_says_so_and_applies_both(refere
 
 
 def test_a_checkpoint_is_never_written_with_non_finite_weights(tmp_path):
-    config = with_global_batch(load_config([*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "1"]), 1)
-    validate(config, 1)
+    layout = resolved([*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "1"])
     runtime = distributed.init_process_group()
     try:
-        trainer = Trainer(config, runtime)
+        trainer = Trainer(layout, runtime)
         trainer._read_back(trainer.launch_step())
         with torch.no_grad():
             dict(trainer.model.named_parameters())["blocks.1.mlp.w_up"][3, 5] = float("inf")

@@ -5,9 +5,8 @@ import re
 
 import pytest
 
-from parallel.data_parallel import blocks_to_reshard
+from parallel.data_parallel import units_to_reshard
 from parallel.mesh import MeshSpec
-from parallel.plan import Plan
 from tests.launch import TINY_ARGS, run_cli, train_scalars
 
 # fp32 on CPU: the only differences are the order of float reductions across ranks.
@@ -49,18 +48,23 @@ def test_loss_decreases_and_scalars_are_logged(single_run):
     assert all(n > 0 for n in single_run["train/grad_norm"])
 
 
-@pytest.mark.parametrize("mesh,world,mode,expected", [
-    ("dp=4", 4, "default", {"0", "1", "2"}),  # not the last: its backward comes right after forward
-    ("dp=4", 4, "always", {"0", "1", "2", "3"}),
-    ("dp=4", 4, "never", set()),
-    ("cp=2", 2, "default", {"0", "1", "2"}),  # FSDP shards over cp too
-    ("tp=2", 2, "always", set()),  # one shard: nothing to free
-    ("dp=2,pp=2", 4, "default", set()),  # a pipeline runs each block once per micro-batch
-    ("dp=2,pp=2", 4, "always", {"0", "1", "2", "3"}),
+BLOCKS = [f"blocks.{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("mesh,world,mode,mtp,expected", [
+    # Not the last block: its backward comes right after forward; the embedding with the blocks.
+    ("dp=4", 4, "default", False, {"blocks.0", "blocks.1", "blocks.2", "embed"}),
+    ("dp=4", 4, "always", False, {*BLOCKS, "embed"}),
+    ("dp=4", 4, "always", True, {*BLOCKS, "mtp", "embed"}),
+    ("dp=4", 4, "default", True, {"blocks.0", "blocks.1", "blocks.2", "embed"}),  # the MTP layer runs last
+    ("dp=4", 4, "never", False, set()),
+    ("cp=2", 2, "default", False, {"blocks.0", "blocks.1", "blocks.2", "embed"}),  # FSDP shards over cp too
+    ("tp=2", 2, "always", True, set()),  # one shard: nothing to free
+    ("dp=2,pp=2", 4, "default", False, set()),  # a pipeline runs each block once per micro-batch
+    ("dp=2,pp=2", 4, "always", False, {*BLOCKS, "embed"}),
 ])
-def test_blocks_to_reshard(mesh, world, mode, expected):
-    plan = Plan.build(MeshSpec.parse(mesh, world))
-    assert blocks_to_reshard(["0", "1", "2", "3"], plan, mode) == expected
+def test_units_to_reshard(mesh, world, mode, mtp, expected):
+    assert units_to_reshard(BLOCKS, MeshSpec.parse(mesh, world), mode, has_mtp=mtp) == expected
 
 
 def _reductions_and_gathers(tmp_path, mesh: str, nproc: int, extra: list[str],
@@ -107,12 +111,11 @@ def test_zero1_gathers_and_reduces_each_unit_once_per_step(tmp_path):
     (["--dp-mode", "zero1", "--cpu-offload"], "drop one of them"),
 ])
 def test_zero1_refuses_what_contradicts_it(args, message):
-    from dtrain.config import load_config
-    from dtrain.layout.checks import validate
     from models.errors import UserError
+    from tests.layouts import resolved
 
     with pytest.raises(UserError, match=message):
-        validate(load_config([*TINY_ARGS, "--mesh", "dp=2", *args]), 2)
+        resolved([*TINY_ARGS, "--mesh", "dp=2", *args], 2)
 
 
 @pytest.mark.slow
@@ -145,18 +148,17 @@ def test_cpu_offload_keeps_shards_in_host_memory_on_a_gpu(tmp_path):
     import torch
 
     from dtrain import distributed
-    from dtrain.config import load_config
-    from dtrain.layout.checks import validate, with_global_batch
+    from dtrain.layout import Machine
     from dtrain.trainer import Trainer
+    from tests.layouts import resolved
 
     histories = {}
     for offload in (False, True):
         args = [*TINY_ARGS, "--steps", "4", "--run-dir", str(tmp_path / str(offload))]
-        config = with_global_batch(load_config(args + (["--cpu-offload"] if offload else [])), 1)
-        validate(config, 1)
+        layout = resolved(args + (["--cpu-offload"] if offload else []), machine=Machine.detect())
         runtime = distributed.init_process_group()
         try:
-            trainer = Trainer(config, runtime)
+            trainer = Trainer(layout, runtime)
             histories[offload] = trainer.fit()
             devices = {p.to_local().device.type for p in trainer.parameters()}
             states = {t.device.type for s in trainer.optimizer.state.values() for t in s.values()}

@@ -382,10 +382,10 @@ def test_pipeline_stages_balance_the_experts_a_token_runs_through():
 
 
 def test_print_plan_names_the_mtp_layer_on_the_last_stage(capsys):
-    from dtrain.config import load_config
     from dtrain.inspect.describe import print_plan
+    from tests.layouts import resolved
 
-    print_plan(load_config(["--model", "tiny-mla", "--mesh", "pp=2", "--world-size", "2"]))
+    print_plan(resolved(["--model", "tiny-mla", "--mesh", "pp=2", "--print-plan", "--world-size", "2"], 2))
     stages = capsys.readouterr().out.split("pp rank")[1].splitlines()[1:3]
     assert "embedding + blocks 0-2" in stages[0] and "block 3 + MTP + head" in stages[1], stages
 

@@ -13,28 +13,22 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtrain import rank_model
-from dtrain.config import load_config
 from dtrain.inspect.accounting import Accounting
 from dtrain.inspect.dry_run import dry_run
 from dtrain.inspect.roles import find_roles
-from dtrain.layout.checks import build_plan, validate, with_global_batch
 from dtrain.run import main
 from models import families, spec
 from models.errors import UserError
-from parallel.mesh import build_device_mesh
+from parallel.mesh import build_meshes
 from parallel.parallelize import materialize
-
-
-def _checked(args: list[str], world_size: int):
-    config = with_global_batch(load_config(args), world_size)
-    mesh_spec, model_cfg = validate(config, world_size)
-    return config, mesh_spec, model_cfg, build_plan(config, mesh_spec, model_cfg)
+from tests.layouts import resolved
 
 
 def _roles(args: list[str], world_size: int):
-    config, mesh_spec, model_cfg, plan = _checked(args, world_size)
-    counts = rank_model.blocks_per_stage(config, model_cfg, mesh_spec)
-    return find_roles(plan, model_cfg, counts, schedule="1f1b", virtual=1, seq_len=config.data.seq_len), counts
+    layout = resolved(args, world_size)
+    counts = list(layout.pipeline.blocks_per_stage)
+    return find_roles(layout.plan, layout.model_cfg, counts, schedule="1f1b", virtual=1,
+                      seq_len=layout.config.data.seq_len), counts
 
 
 def test_a_128_rank_llama3_70b_has_a_role_per_pipeline_rank_and_shares_programs():
@@ -60,15 +54,15 @@ def test_accounting_counts_fsdp_gathers_reductions_and_live_shards(fake_world):
     # Parameters stay gathered between forward and backward: one all-gather (bf16) and one
     # reduce-scatter (fp32) of every parameter, once.
     args = ["--model", "tiny", "--mesh", "dp=2", "--fsdp-reshard-after-forward", "never"]
-    config, mesh_spec, model_cfg, plan = _checked(args, 2)
+    layout = resolved(args, 2)
+    model_cfg = layout.model_cfg
     layers = families.layers(model_cfg)
     numel = sum(math.prod(p.shape) for layer in layers for _, p in spec.flatten(layer.params))
     with fake_world(2):
-        mesh = build_device_mesh(mesh_spec, "cpu")
-        built = rank_model.build_model_parts(config, model_cfg, plan, mesh, expert_mesh=None, device=torch.device("meta"),
-                                        ep_dispatch=None)
+        meshes = build_meshes(layout.mesh, "cpu")
+        built = rank_model.build_model_parts(layout, meshes, device=torch.device("meta"))
         model = built.parts[0]
-        with FakeTensorMode(allow_non_fake_inputs=True), Accounting({"dp_shard": mesh.get_group("dp_shard")}) as acct:
+        with FakeTensorMode(allow_non_fake_inputs=True), Accounting({"dp_shard": meshes.group("dp_shard")}) as acct:
             materialize(model, torch.device("cpu"), seed=0)
             shards = sum(p.to_local().numel() * 4 for p in model.parameters())
             assert shards == numel * 4 // 2  # even splits: half of every fp32 parameter
@@ -97,13 +91,14 @@ DRY_ARGS = ["--dry-run", "--world-size", "64", "--model", "tiny", "--mesh", "tp=
 def pipelined_dry_run():
     if dist.is_initialized():
         pytest.skip("a default process group already exists in this process")
-    return dry_run(load_config(DRY_ARGS))
+    return dry_run(resolved(DRY_ARGS, 64))
 
 
 def test_pipelined_dry_run_of_64_ranks(pipelined_dry_run):
-    config, mesh_spec, model_cfg, plan = _checked(DRY_ARGS, 64)
-    m = rank_model.num_microbatches(config, mesh_spec)
-    counts = rank_model.blocks_per_stage(config, model_cfg, mesh_spec)
+    layout = resolved(DRY_ARGS, 64)
+    config, mesh_spec, model_cfg, plan = layout.config, layout.mesh, layout.model_cfg, layout.plan
+    m = layout.num_microbatches
+    counts = list(layout.pipeline.blocks_per_stage)
     assert [role.ranks for role, _ in pipelined_dry_run] == [tuple(range(32)), tuple(range(32, 64))]
     layers = families.layers(model_cfg)
     for (role, report), stage in zip(pipelined_dry_run, (0, 1)):
@@ -131,8 +126,8 @@ def test_the_step_measured_has_adamws_moments_in_memory_through_its_micro_batche
     state and the forward's activations are all live."""
     if dist.is_initialized():
         pytest.skip("a default process group already exists in this process")
-    [(_, report)] = dry_run(load_config(["--dry-run", "--world-size", "1", "--model", "tiny", "--seq-len", "64",
-                                         "--micro-batch", "2"]))
+    [(_, report)] = dry_run(resolved(["--dry-run", "--world-size", "1", "--model", "tiny", "--seq-len", "64",
+                                      "--micro-batch", "2"]))
     [stage] = report.stages
     end_of_forward = report.param_bytes + report.optimizer_bytes + stage.activation_bytes
     assert report.phase_peaks["micro-batches"] >= end_of_forward
@@ -160,7 +155,7 @@ BAD = [
 def test_bad_input_is_the_same_one_line_error_as_a_real_run(extra, world_size, capsys):
     args = ["--model", "tiny", *extra]
     with pytest.raises(UserError) as real:
-        validate(with_global_batch(load_config(args), world_size), world_size)
+        resolved(args, world_size)
     assert main(["--dry-run", "--world-size", str(world_size), *args]) == 2
     assert capsys.readouterr().err.strip() == f"dtrain: error: {real.value}"
 

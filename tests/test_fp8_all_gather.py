@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from models import families
 from models.presets import get_model_config
 from parallel import precision
-from parallel.mesh import MeshSpec, build_device_mesh, build_expert_mesh
+from parallel.layout import FP8Layout, ParallelLayout
+from parallel.mesh import MeshSpec, build_meshes
 from parallel.parallelize import parallelize
 from parallel.plan import Plan
 from tests.launch import run_cli, scalars
@@ -53,7 +54,7 @@ def _wrapper_type():
 ])
 def test_when_weights_are_gathered_in_float8(recipe, mesh, device, reason):
     spec = MeshSpec.parse(mesh, None)
-    blocker = precision.float8_all_gather_blocker(precision.Float8Linear(recipe, emulate=True), spec, device)
+    blocker = precision.float8_all_gather_blocker(recipe, "torchao", True, spec, device)
     if reason is None:
         assert blocker is None
     else:
@@ -61,8 +62,14 @@ def test_when_weights_are_gathered_in_float8(recipe, mesh, device, reason):
 
 
 def test_float8_all_gather_can_be_turned_off():
-    fp8 = precision.Float8Linear("tensorwise", emulate=True, float8_all_gather=False)
-    assert "turned off" in precision.float8_all_gather_blocker(fp8, MeshSpec.parse("dp=2", None), "cuda")
+    assert "turned off" in precision.float8_all_gather_blocker("tensorwise", "torchao", False,
+                                                               MeshSpec.parse("dp=2", None), "cuda")
+
+
+@pytest.mark.parametrize("recipe", precision.TORCHAO_RECIPES)
+def test_the_recipes_that_gather_float8_are_those_torchao_casts_per_tensor(recipe):
+    per_tensor = precision.Float8Linear(recipe, emulate=True).casts_weight_per_tensor
+    assert per_tensor == (recipe in precision.PER_TENSOR_WEIGHT_RECIPES)
 
 
 @pytest.mark.parametrize("axes,matmul", [
@@ -91,12 +98,11 @@ def _build(model: str, mesh: str, recipe: str, fp8_blocks: set[int], overrides: 
         cfg = attrs.evolve(cfg, **overrides)
     spec = MeshSpec.parse(mesh, dist.get_world_size())
     plan = Plan.build(spec, sequence_parallel=False, num_kv_heads=cfg.num_kv_heads)
-    fp8 = precision.Float8Linear(recipe, emulate=True, float8_all_gather=float8_all_gather)
-    model, _ = parallelize(
-        families.layers(cfg), plan, build_device_mesh(spec, "cpu"), device=torch.device("cpu"), seed=0,
-        compute_dtype=torch.bfloat16, expert_mesh=build_expert_mesh(spec, "cpu"), fp8_linear=fp8,
-        fp8_layers=frozenset(f"blocks.{i}" for i in fp8_blocks),
-    )
+    blocker = precision.float8_all_gather_blocker(recipe, "torchao", float8_all_gather, spec, "cpu")
+    layout = ParallelLayout(plan, precision="bf16", fp8=FP8Layout(
+        recipe, layers=frozenset(f"blocks.{i}" for i in fp8_blocks), all_gather=blocker is None, emulated=True))
+    fp8 = precision.fp8_backend(layout.fp8, torch.device("cpu"))
+    model = parallelize(families.layers(cfg), layout, build_meshes(spec, "cpu"), device=torch.device("cpu"), fp8=fp8)
     return cfg, model, fp8
 
 

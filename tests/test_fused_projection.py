@@ -8,7 +8,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from models.context import LocalContext
 from parallel.context import ParallelContext
-from parallel.mesh import MeshSpec, build_device_mesh
+from parallel.layout import ParallelLayout
+from parallel.mesh import MeshSpec, build_meshes
 from parallel.plan import Plan
 from parallel.precision import Float8Linear
 
@@ -74,8 +75,8 @@ def test_tensor_subclass_weights_are_multiplied_one_by_one(monkeypatch):
 def one_rank_context(fake_world):
     with fake_world(1):
         spec = MeshSpec.parse("", 1)
-        mesh = build_device_mesh(spec, "cpu")
-        yield _fusing(ParallelContext(Plan.build(spec), mesh)), mesh
+        meshes = build_meshes(spec, "cpu")
+        yield ParallelContext(ParallelLayout(Plan.build(spec), fuse_projections=True), meshes), meshes.world
 
 
 def test_dtensor_weights_keep_their_own_placements(one_rank_context, monkeypatch):
@@ -119,15 +120,14 @@ def test_projections_are_separate_matmuls_unless_asked(monkeypatch):
 
 def _train_in_process(tmp_path, extra: list[str]) -> list[dict[str, float]]:
     from dtrain import distributed
-    from dtrain.config import load_config
-    from dtrain.layout.checks import with_global_batch
     from dtrain.trainer import Trainer
     from tests.launch import TINY_ARGS
+    from tests.layouts import resolved
 
-    config = with_global_batch(load_config([*TINY_ARGS, "--steps", "3", "--run-dir", str(tmp_path), *extra]), 1)
+    layout = resolved([*TINY_ARGS, "--steps", "3", "--run-dir", str(tmp_path), *extra])
     runtime = distributed.init_process_group()
     try:
-        return Trainer(config, runtime).fit()
+        return Trainer(layout, runtime).fit()
     finally:
         distributed.shutdown()
 

@@ -12,6 +12,7 @@ from dtrain.layout import host_memory
 from dtrain.layout.host_memory import GB, RankNeed
 from dtrain.run import main
 from tests.launch import TINY_ARGS, run_cli
+from tests.layouts import resolved
 
 
 def test_available_memory_is_the_hosts_or_its_containers_limit_if_lower(tmp_path):
@@ -41,17 +42,16 @@ def test_the_ranks_of_a_host_share_it_and_the_host_short_of_memory_is_named():
 
 
 def test_the_need_is_the_memory_models_and_grows_with_the_model():
-    tiny, big = (load_config(["--model", name, "--precision", "fp32"]) for name in ("tiny", "llama3-70b"))
-    small = host_memory.rank_need_bytes(tiny, 1, 0)
-    large = host_memory.rank_need_bytes(big, 1, 0)
+    tiny, big = (resolved(["--model", name, "--precision", "fp32"]) for name in ("tiny", "llama3-70b"))
+    small = host_memory.rank_need_bytes(tiny, 0)
+    large = host_memory.rank_need_bytes(big, 0)
     assert 0 < small < 0.1 * GB
     # 70B fp32 weights with their gradients and AdamW's two moments are 16 bytes a parameter at least.
     assert large > 16 * 70e9
 
 
 def test_a_cpu_run_too_large_for_its_host_stops_before_it_builds_the_model(tmp_path, capsys, monkeypatch):
-    config = load_config([*TINY_ARGS, "--run-dir", str(tmp_path)])
-    need = host_memory.rank_need_bytes(config, 1, 0)
+    need = host_memory.rank_need_bytes(resolved([*TINY_ARGS, "--run-dir", str(tmp_path)]), 0)
     monkeypatch.setattr(host_memory, "available_bytes", lambda: need / 2)
     code = main([*TINY_ARGS, "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()

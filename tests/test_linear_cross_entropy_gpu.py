@@ -15,7 +15,8 @@ import attrs
 import pytest
 import torch
 
-from dtrain.config import load_config
+from dtrain.layout import Machine
+from tests.layouts import resolved
 from dtrain.planner import activations
 from dtrain.planner.workload import workload
 from models import llama, spec
@@ -30,7 +31,8 @@ TOKENS = 4 * 4096
 
 def predicted_gb(chunk: int) -> float:
     """The memory model's head: what it keeps for the backward and what comes on top."""
-    saved, extra = activations.head_bytes(workload(load_config([*SHAPE, "--loss-chunk-tokens", str(chunk)]), 1))
+    layout = resolved([*SHAPE, "--loss-chunk-tokens", str(chunk)], 1, Machine.gpu_profile("h200"))
+    saved, extra = activations.head_bytes(workload(layout))
     return (saved + extra) / 1e9
 
 

@@ -144,18 +144,18 @@ def test_masked_ring_blocks_merge_to_the_whole_attention():
 
 
 def test_kernel_rule():
-    cuda = torch.device("cuda")
-    assert masked.choose_kernel("auto", CPU, torch.bfloat16, True, None) == "dense"
-    assert masked.choose_kernel("flex", CPU, torch.bfloat16, True, None) == "dense"
-    varlen = "varlen" if masked.varlen_available(None) else "flex"
-    assert masked.choose_kernel("auto", cuda, torch.bfloat16, True, None) == varlen
-    assert masked.choose_kernel("auto", cuda, torch.bfloat16, False, None) == "flex"  # cp chunks
-    assert masked.choose_kernel("varlen", cuda, torch.bfloat16, False, None) == "flex"
-    assert masked.choose_kernel("auto", cuda, torch.float32, True, None) == "flex"
-    assert masked.choose_kernel("flex", cuda, torch.bfloat16, True, None) == "flex"
-    assert masked.choose_kernel("dense", cuda, torch.bfloat16, True, None) == "dense"
+    cuda = "cuda"
+    assert masked.choose_kernel("auto", "cpu", torch.bfloat16, True, False) == "dense"
+    assert masked.choose_kernel("flex", "cpu", torch.bfloat16, True, False) == "dense"
+    varlen = "varlen" if masked.varlen_available(False) else "flex"
+    assert masked.choose_kernel("auto", cuda, torch.bfloat16, True, False) == varlen
+    assert masked.choose_kernel("auto", cuda, torch.bfloat16, False, False) == "flex"  # cp chunks
+    assert masked.choose_kernel("varlen", cuda, torch.bfloat16, False, False) == "flex"
+    assert masked.choose_kernel("auto", cuda, torch.float32, True, False) == "flex"
+    assert masked.choose_kernel("flex", cuda, torch.bfloat16, True, False) == "flex"
+    assert masked.choose_kernel("dense", cuda, torch.bfloat16, True, False) == "dense"
     with pytest.raises(UserError, match="unknown --attention-kernel 'xformers'"):
-        masked.choose_kernel("xformers", cuda, torch.bfloat16, True, None)
+        masked.choose_kernel("xformers", cuda, torch.bfloat16, True, False)
 
 
 def test_segment_offsets_span_the_flattened_batch():
@@ -196,7 +196,7 @@ HEADS = {"gqa": (8, 128, 2, 128, None), "mla": (8, 192, 8, 128, 0.135)}
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("heads", HEADS)
 def test_gpu_kernels_match_dense_attention(kernel, mask, heads):
-    if kernel == "varlen" and not masked.varlen_available(MASKS[mask][1]):
+    if kernel == "varlen" and not masked.varlen_available(MASKS[mask][1] is not None):
         pytest.skip("no variable-length attention with a window in this torch")
     num_heads, qk_dim, kv_heads, v_dim, scale = HEADS[heads]
     cuda = torch.device("cuda")

@@ -9,7 +9,7 @@ import attrs
 import pytest
 import torch
 
-from dtrain.config import load_config
+from dtrain.layout import Machine
 from dtrain.planner import activations, measured, memory, steptime
 from dtrain.planner.workload import workload
 from models import families, spec
@@ -17,9 +17,11 @@ from models.context import LocalContext
 from models.presets import get_model_config
 from parallel import precision, recompute
 from tests.launch import REPO
+from tests.layouts import resolved
 
 RESULTS = REPO / "benchmarks" / "results.jsonl"
 GB = 1e9
+H200 = Machine.gpu_profile("h200")
 
 # A block with llama-1b's proportions (GQA 4:1, MLP 4x), small enough for the CPU.
 SMALL = "dim=256,num_heads=4,num_kv_heads=1,ffn_dim=1024,num_layers=2,vocab_size=512"
@@ -44,9 +46,9 @@ def _saved_bytes(forward, params, x, aux, ctx) -> int:
 
 
 def _block_case(model: str, overrides: str, args: list[str]):
-    config = load_config(["--model", model, "--model-overrides", overrides, "--seq-len", "128", "--micro-batch", "2",
-                          "--precision", "bf16", *args])
-    work = workload(config, 1, device_type="cpu")
+    layout = resolved(["--model", model, "--model-overrides", overrides, "--seq-len", "128", "--micro-batch", "2",
+                       "--precision", "bf16", *args])
+    config, work = layout.config, workload(layout)
     layer = families.layers(work.model_cfg)[1]
     params = {path: spec.init_value(s, 0, path, dtype=torch.bfloat16).requires_grad_(s.trainable)
               for path, s in spec.flatten(layer.params)}
@@ -98,8 +100,8 @@ def test_te_blocks_save_what_bf16_blocks_save():
     from tests import fake_te
 
     config, work, layer, params, x, aux = _block_case("tiny", SMALL, ["--fp8", "current", "--fp8-backend", "te"])
-    bf16 = workload(load_config(["--model", "tiny", "--model-overrides", SMALL, "--seq-len", "128",
-                                 "--micro-batch", "2", "--precision", "bf16"]), 1, device_type="cpu")
+    bf16 = workload(resolved(["--model", "tiny", "--model-overrides", SMALL, "--seq-len", "128", "--micro-batch", "2",
+                              "--precision", "bf16"]))
     with fake_te.installed() as calls:
         from parallel.te_linear import TELinear
 
@@ -116,9 +118,10 @@ def test_te_blocks_save_what_bf16_blocks_save():
 def test_chunked_head_saves_what_the_model_counts(args):
     """--loss-chunk-tokens: the head keeps the gradients its forward made (the weight's in fp32)
     instead of the logits; 1024 tokens, so that neither is the size of the other."""
-    config = load_config(["--model", "tiny", "--model-overrides", SMALL, "--seq-len", "512", "--micro-batch", "2",
-                          "--precision", "bf16", "--loss-chunk-tokens", "384", *args])
-    work = workload(config, 1, device_type="cpu")
+    args = ["--model", "tiny", "--model-overrides", SMALL, "--seq-len", "512", "--micro-batch", "2",
+            "--precision", "bf16", "--loss-chunk-tokens", "384", *args]
+    layout = resolved(args)
+    config, work = layout.config, workload(layout)
     head = families.layers(work.model_cfg)[-1]
     params = {path: spec.init_value(s, 0, path, dtype=torch.bfloat16).requires_grad_()
               for path, s in spec.flatten(head.params)}
@@ -135,7 +138,7 @@ def test_chunked_head_saves_what_the_model_counts(args):
     measured_bytes = _saved_bytes(forward, params, x, aux, ctx)
     assert activations.head_bytes(work)[0] == pytest.approx(measured_bytes, rel=0.01)
     # Below what the unfused head keeps.
-    unfused = workload(attrs.evolve(config, train=attrs.evolve(config.train, loss_chunk_tokens=0)), 1, device_type="cpu")
+    unfused = workload(resolved([*args, "--loss-chunk-tokens", "0"]))
     assert measured_bytes < activations.head_bytes(unfused)[0]
 
 
@@ -148,19 +151,20 @@ def test_peak_memory_within_ten_percent_of_every_included_gpu_row():
     assert len(rows) - len(included) == 11 and len(included) >= 50
     errors = {}
     for row in included:
-        predicted = memory.predict_peak(row.config, row.gpus)[0].total / GB
+        predicted = memory.predict_peak(row.layout)[0].total / GB
         errors[row.label] = predicted / row.data["peak_mem_gb"] - 1
     worst = max(errors, key=lambda label: abs(errors[label]))
     assert abs(errors[worst]) <= measured.MEMORY_TOLERANCE, (worst, errors[worst])
 
 
-def _config(*args: str):
-    return load_config(["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1", "--compile", *args])
+def _layout(*args: str, world: int = 8):
+    return resolved(["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1", "--compile", *args], world,
+                    H200)
 
 
 def test_each_lever_moves_the_peak_the_way_it_should():
     def total(*args, world=8):
-        return memory.predict_peak(_config(*args), world)[0].total
+        return memory.predict_peak(_layout(*args, world=world))[0].total
 
     base = total("--mesh", "dp=8")
     assert total("--mesh", "dp=8", "--micro-batch", "2", "--global-batch", "16") > base
@@ -181,8 +185,7 @@ def test_chunked_loss_lowers_the_peak_where_the_logits_outweigh_the_weight_gradi
     the unfused one keeps the micro-batch's logits (2 x tokens x vocab): llama-1b's 16,384 tokens
     of width 2,048 gain; llama-8b's 8,192 tokens of width 4,096 do not."""
     def total(shape, *args):
-        config = load_config([*shape, "--compile", "--mesh", "dp=2", *args])
-        return memory.predict_peak(config, 2)[0].total
+        return memory.predict_peak(resolved([*shape, "--compile", "--mesh", "dp=2", *args], 2, H200))[0].total
 
     llama_1b = ["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "4"]
     assert total(llama_1b, "--loss-chunk-tokens", "2048") < total(llama_1b) - 1.5 * GB
@@ -192,25 +195,25 @@ def test_chunked_loss_lowers_the_peak_where_the_logits_outweigh_the_weight_gradi
 
 
 def test_offloaded_state_is_counted_in_host_memory():
-    on_gpu = memory.predict(_config("--mesh", "dp=8"), 8)
-    offloaded = memory.predict(_config("--mesh", "dp=8", "--cpu-offload"), 8)
+    on_gpu = memory.predict(_layout("--mesh", "dp=8"))
+    offloaded = memory.predict(_layout("--mesh", "dp=8", "--cpu-offload"))
     assert offloaded.parameters == offloaded.optimizer == 0
     # fp32 weights, AdamW's two moments and the fp32 gradients (half the moments' bytes).
     assert offloaded.host == pytest.approx(on_gpu.parameters + 1.5 * on_gpu.optimizer)
 
 
 def test_pipeline_ranks_differ_and_the_peak_is_the_largest():
-    config = _config("--mesh", "pp=4,dp=2", "--global-batch", "8")
-    per_rank = [memory.predict(config, 8, rank).total for rank in (0, 2, 4, 6)]
+    layout = _layout("--mesh", "pp=4,dp=2", "--global-batch", "8")
+    per_rank = [memory.predict(layout, rank).total for rank in (0, 2, 4, 6)]
     assert len(set(per_rank)) > 1
-    peak, rank = memory.predict_peak(config, 8)
+    peak, rank = memory.predict_peak(layout)
     assert peak.total == max(per_rank) and rank in (0, 2, 4, 6)
     # 1F1B holds pp - rank micro-batches: the first stage the most.
     assert per_rank[0] > per_rank[2]
 
 
 def test_breakdown_adds_up_and_prints_each_category():
-    breakdown = memory.predict(_config("--mesh", "dp=8"), 8)
+    breakdown = memory.predict(_layout("--mesh", "dp=8"))
     assert breakdown.total == pytest.approx(sum(getattr(breakdown, name) for name in breakdown.CATEGORIES))
     line = breakdown.lines()[0]
     assert line.startswith(f"{breakdown.total / GB:.1f} GB at the start") and "activations" in line
@@ -222,9 +225,9 @@ def test_the_mtp_layer_counts_on_the_last_pipeline_stage():
     state), its block's activations and one more head pass to the last stage, and time to the step."""
     predictions = []
     for depth in (0, 1, 2):
-        config = load_config(["--model", "tiny-mla", "--model-overrides", f"mtp_depth={depth}", "--mesh", "pp=2",
-                              "--pp-layout", "3,1", "--seq-len", "256", "--micro-batch", "2", "--global-batch", "8"])
-        work = workload(config, 2, rank=1)
+        layout = resolved(["--model", "tiny-mla", "--model-overrides", f"mtp_depth={depth}", "--mesh", "pp=2",
+                           "--pp-layout", "3,1", "--seq-len", "256", "--micro-batch", "2", "--global-batch", "8"], 2, H200)
+        work = workload(layout, rank=1)
         predictions.append((memory.predict_workload(work), steptime.predict_workload(work).seconds))
     mtp = next(layer for layer in families.layers(get_model_config("tiny-mla", "mtp_depth=1")) if layer.name == "mtp")
     elements = sum(math.prod(s.shape) for _, s in spec.flatten(mtp.params))

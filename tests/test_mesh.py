@@ -141,12 +141,11 @@ def test_build_device_mesh_order_tp_innermost(fake_world):
     ("dp_replicate=2,cp=2", ("dp_replicate", "cp"), (2, 2)),
 ])
 def test_fsdp_mesh_is_dp_shard_times_cp(fake_world, recwarn, text, names, sizes):
-    from parallel.data_parallel import data_parallel_mesh
-    from parallel.plan import Plan
+    from parallel.mesh import build_meshes
 
     with fake_world(4):
         spec = MeshSpec.parse(text, 4)
-        dp_mesh = data_parallel_mesh(build_device_mesh(spec, "cpu"), Plan.build(spec))
+        dp_mesh = build_meshes(spec, "cpu").submesh(spec.fsdp_dims)
         assert dp_mesh.mesh_dim_names == names and tuple(dp_mesh.mesh.shape) == sizes
     # Only a mesh that splits both dp_shard and cp slices the flattened dim (which torch deprecates).
     flattened = [w for w in recwarn if "flattened dim" in str(w.message)]

@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from dtrain.config import load_config
-from dtrain.layout.checks import DEFAULT_MICROBATCHES_PER_STAGE, validate, with_global_batch
+from dtrain.layout.resolve import DEFAULT_MICROBATCHES_PER_STAGE
 from models.errors import UserError
 from parallel import pipeline
 from tests.launch import train_scalars
+from tests.layouts import resolved
 
 LOSS_RTOL = 1e-4
 
@@ -105,8 +105,9 @@ BAD = [
 def test_bad_pipeline_settings(kwargs, message):
     args = dict(schedule="1f1b", pp=2, virtual=1, micro=4, blocks=4, layout=None, on_gpus=False) | kwargs
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        pipeline.validate_schedule(args["schedule"], args["pp"], args["virtual"], args["micro"],
-                                   args["blocks"], args["layout"], args["on_gpus"])
+        pipeline.validate_schedule(args["schedule"], args["pp"], args["virtual"], args["blocks"], args["layout"],
+                                   args["on_gpus"])
+        pipeline.validate_microbatches(args["schedule"], args["pp"], args["micro"])
 
 
 def _schedule(name: str, pp: int, pp_rank: int, virtual: int, num_microbatches: int):
@@ -149,8 +150,8 @@ def test_pipelines_without_global_batch_take_enough_micro_batches(mesh, world, s
     args = ["--mesh", mesh, "--pp-schedule", schedule]
     if schedule != "1f1b":
         args += ["--pp-virtual-stages", "2", "--model-overrides", "num_layers=8"]
-    config = with_global_batch(load_config(args), world)
-    mesh_spec, _ = validate(config, world)  # enough for every schedule, or this raises
+    layout = resolved(args, world)  # enough for every schedule, or this raises
+    config, mesh_spec = layout.config, layout.mesh
     per_rank = config.data.global_batch // (config.data.micro_batch * mesh_spec.dp_size)
     assert per_rank == DEFAULT_MICROBATCHES_PER_STAGE * mesh_spec.pp
     assert pipeline.ideal_bubble(mesh_spec.pp, 1, per_rank) <= 1 / 3

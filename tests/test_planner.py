@@ -7,7 +7,6 @@ import json
 import logging
 import time
 
-import attrs
 import pytest
 import torch
 
@@ -16,11 +15,13 @@ from dtrain.planner import __main__ as plan_cli
 from dtrain.planner import advice, memory
 from dtrain.planner.candidates import Target
 from dtrain.planner.search import search
-from dtrain.layout.checks import validate
+from dtrain.layout import Machine, resolve
 from dtrain.run import main
 from tests.launch import REPO, TINY_ARGS
+from tests.layouts import resolved
 
 GB = 1e9
+H200 = Machine.gpu_profile("h200")
 
 
 def test_candidates_fit_run_as_printed_and_come_fastest_first():
@@ -33,9 +34,7 @@ def test_candidates_fit_run_as_printed_and_come_fastest_first():
         assert candidate.memory.total <= 80 * GB
         # The printed command is a valid run of that world, whose own prediction is the candidate's.
         flags = candidate.command.split(" -m dtrain.run ", 1)[1].split()
-        config = load_config(flags)
-        validate(config, 8)
-        assert memory.predict_peak(config, 8)[0].total == pytest.approx(candidate.memory.total)
+        assert memory.predict_peak(resolved(flags, 8, H200))[0].total == pytest.approx(candidate.memory.total)
 
 
 def test_a_model_with_multi_token_prediction_is_planned_with_pipelines():
@@ -59,11 +58,12 @@ def test_the_chunked_loss_is_planned_with_the_run():
     predict the chunked head's memory, below the unfused one's on llama-1b."""
     best = search(Target(model="llama-1b", gpus=1, seq_len=4096, global_batch=8, gpu_memory_gb=140,
                          loss_chunk_tokens=2048))[0]
-    config = load_config(best.command.split(" -m dtrain.run ", 1)[1].split())
-    assert config.train.loss_chunk_tokens == 2048
-    unfused = attrs.evolve(config, train=attrs.evolve(config.train, loss_chunk_tokens=0))
-    assert best.memory.total == pytest.approx(memory.predict_peak(config, 1)[0].total)
-    assert best.memory.total < memory.predict_peak(unfused, 1)[0].total - GB
+    flags = best.command.split(" -m dtrain.run ", 1)[1].split()
+    layout = resolved(flags, 1, H200)
+    assert layout.config.train.loss_chunk_tokens == 2048
+    unfused = resolved([*flags, "--loss-chunk-tokens", "0"], 1, H200)
+    assert best.memory.total == pytest.approx(memory.predict_peak(layout)[0].total)
+    assert best.memory.total < memory.predict_peak(unfused)[0].total - GB
     auto = load_config(["--model", "llama-1b", "--mesh", "auto", "--loss-chunk-tokens", "2048", "--compile"])
     assert advice.target_of(auto, 1).loss_chunk_tokens == 2048
 
@@ -77,9 +77,10 @@ def test_transformer_engine_and_the_fp8_head_are_planned_with_the_run():
     assert te
     for candidate in te:
         flags = candidate.command.split(" -m dtrain.run ", 1)[1].split()
-        config = load_config(flags)
+        layout = resolved(flags, 1, H200)
+        config = layout.config
         assert (config.train.fp8, config.train.fp8_backend, config.train.fp8_head) == ("delayed", "te", True)
-        assert candidate.memory.total == pytest.approx(memory.predict_peak(config, 1)[0].total)
+        assert candidate.memory.total == pytest.approx(memory.predict_peak(layout)[0].total)
         same_layout = torchao[candidate.command.replace("--fp8 delayed --fp8-backend te", "--fp8 tensorwise")]
         # llama-1b's compiled blocks: bf16 activations 13% (one sample) to 40% (eight) larger than
         # torchao's float8 casts and the float8 weights they keep.
@@ -161,8 +162,7 @@ def test_mesh_auto_for_a_larger_world_chooses_a_valid_layout():
                           "--gpu-memory-gb", "80", "--compile"])
     chosen = advice.choose(config, 64)
     assert chosen.parallel.mesh != "auto"
-    validate(chosen, 64)
-    assert memory.predict_peak(chosen, 64)[0].total <= 80 * GB
+    assert memory.predict_peak(resolve(chosen, 64, H200))[0].total <= 80 * GB
 
 
 def test_print_plan_shows_the_memory_of_each_pipeline_rank(capsys):

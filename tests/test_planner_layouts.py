@@ -9,13 +9,13 @@ import json
 import attrs
 import pytest
 
-from dtrain.config import load_config
-from dtrain.layout.checks import validate
+from dtrain.layout import Machine
 from dtrain.planner import __main__ as plan_cli
 from dtrain.planner import gpus, memory
 from dtrain.planner.candidates import Fixed, Target
 from dtrain.planner.hardware import H200
 from dtrain.planner.search import search
+from tests.layouts import resolved
 
 GB = 1e9
 
@@ -60,10 +60,10 @@ def test_a_given_layout_keeps_what_is_fixed_and_searches_the_rest(capsys):
     assert {"compute", "tp", "pp", "bubble", "optimizer"} <= set(parts)
     assert sum(parts.values()) == pytest.approx(given["step_seconds"], rel=1e-3)
     # The command runs that layout, and its prediction is the planner's.
-    config = load_config(given["command"].split(" -m dtrain.run ", 1)[1].split())
-    validate(config, 64)
+    layout = resolved(given["command"].split(" -m dtrain.run ", 1)[1].split(), 64, Machine.gpu_profile("h100-sxm"))
+    config = layout.config
     assert config.parallel.pp_virtual_stages == 5 and config.parallel.dp_mode == "zero1"
-    assert memory.predict_peak(config, 64)[0].total / GB == pytest.approx(given["memory_gb"], abs=0.01)
+    assert memory.predict_peak(layout)[0].total / GB == pytest.approx(given["memory_gb"], abs=0.01)
 
 
 def test_a_given_layout_that_does_not_fit_is_reported_with_its_memory(capsys):

@@ -89,16 +89,13 @@ def test_full_recompute_blocks_are_the_first_n_of_each_stage():
 def _mm_calls_and_grads(recompute_args: list[str]):
     """One forward and backward of the tiny model in this process; its matmuls and gradients."""
     from dtrain import rank_model
-    from dtrain.config import load_config
-    from dtrain.layout.checks import build_plan, validate, with_global_batch
     from models import families
-    from parallel.mesh import build_device_mesh
+    from parallel.mesh import build_meshes
+    from tests.layouts import resolved
 
-    config = with_global_batch(load_config(["--model", "tiny", "--precision", "fp32", *recompute_args]), 1)
-    mesh_spec, model_cfg = validate(config, 1)
-    mesh = build_device_mesh(mesh_spec, "cpu")
-    built = rank_model.build_model_parts(config, model_cfg, build_plan(config, mesh_spec, model_cfg), mesh,
-                                    expert_mesh=None, device=torch.device("cpu"), ep_dispatch=None)
+    layout = resolved(["--model", "tiny", "--precision", "fp32", *recompute_args])
+    model_cfg = layout.model_cfg
+    built = rank_model.build_model_parts(layout, build_meshes(layout.mesh, "cpu"), device=torch.device("cpu"))
     model = built.parts[0]
     tokens = torch.randint(0, model_cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     aux = attrs.evolve(families.make_aux(model_cfg, torch.arange(32)), labels=tokens)

@@ -127,7 +127,7 @@ def test_torchruns_sigterm_during_the_record_of_a_lost_peer_does_not_cut_the_rec
     import signal
 
     import dtrain.train
-    from dtrain.config import load_config
+    from tests.layouts import resolved
 
     class PeerGone:
         def __init__(self, *args, **kwargs):
@@ -146,7 +146,7 @@ def test_torchruns_sigterm_during_the_record_of_a_lost_peer_does_not_cut_the_rec
     monkeypatch.setattr(failures, "record", record_as_sigterm_arrives)
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(failures.JobFailure, match="lost its peers"):
-        dtrain.train.train(load_config([*TINY_ARGS, "--run-dir", str(tmp_path)]))
+        dtrain.train.train(resolved([*TINY_ARGS, "--run-dir", str(tmp_path)]))
     assert signal.getsignal(signal.SIGTERM) is handler
     [recorded] = failures.read(tmp_path)
     assert (recorded.kind, recorded.rank) == ("lost", 0)

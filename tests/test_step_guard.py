@@ -12,13 +12,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dtrain import distributed
 from dtrain.checkpoint import storage as ckpt
-from dtrain.config import load_config
-from dtrain.layout.checks import validate, with_global_batch
 from dtrain.resilience.faults import SPIKE_FACTOR
 from dtrain.resilience.step_guard import StepGuard
 from dtrain.trainer import Trainer
 from models.errors import UserError
 from tests.launch import TINY_ARGS, run_cli, scalars, train_scalars
+from tests.layouts import resolved
 
 LOSS_RTOL = 1e-4  # another mesh: float reductions in another order
 
@@ -107,7 +106,7 @@ def test_too_many_skips_in_a_row_stop_with_one_line():
 @pytest.mark.parametrize("flags", [["--max-skipped-steps", "0"], ["--skip-spikes", "0.5"], ["--spike-window", "0"]])
 def test_flags_that_cannot_work_are_refused_before_any_work(flags):
     with pytest.raises(UserError, match=r"--max-skipped-steps .* must be >= 1, --skip-spikes .* 0 \(off\) or above 1"):
-        validate(with_global_batch(load_config([*TINY_ARGS, *flags]), 1), 1)
+        resolved([*TINY_ARGS, *flags])
 
 
 def _snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -123,12 +122,10 @@ def test_a_nan_step_changes_no_weight_moment_or_router_bias_but_moves_the_schedu
         tmp_path, monkeypatch, model):
     monkeypatch.setenv("DTRAIN_FAULT", "nan@step3")
     overrides = ["--model-overrides", "bias_update_rate=0.01"] if model == "tiny-moe" else []
-    config = with_global_batch(load_config([*TINY_ARGS, "--model", model, *overrides, "--steps", "4",
-                                            "--run-dir", str(tmp_path)]), 1)
-    validate(config, 1)
+    layout = resolved([*TINY_ARGS, "--model", model, *overrides, "--steps", "4", "--run-dir", str(tmp_path)])
     runtime = distributed.init_process_group()
     try:
-        trainer = Trainer(config, runtime)
+        trainer = Trainer(layout, runtime)
         for _ in range(2):
             assert trainer._read_back(trainer.launch_step())["train/skipped"] == 0
         before = _snapshot(trainer)

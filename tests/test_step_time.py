@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtrain.config import load_config
 from dtrain.data.dataset import TokenDataset
+from dtrain.layout import Machine
 from dtrain.planner import fsdp_time, measured, steptime
 from models import masking
 from tests.launch import REPO
+from tests.layouts import resolved
 
 RESULTS = REPO / "benchmarks" / "results.jsonl"
+H200 = Machine.gpu_profile("h200")
 
 
 def test_tokens_per_second_within_fifteen_percent_of_every_compared_gpu_row():
@@ -24,15 +26,15 @@ def test_tokens_per_second_within_fifteen_percent_of_every_compared_gpu_row():
     assert len(rows) - len(compared) == 10 and len(compared) >= 40
     errors = {}
     for row in compared:
-        predicted = steptime.predict_step(row.config, row.gpus).tokens_per_sec_per_gpu
+        predicted = steptime.predict_step(row.layout).tokens_per_sec_per_gpu
         errors[row.label] = predicted / row.data["tokens_per_sec_per_gpu"] - 1
     misses = {label: error for label, error in errors.items() if abs(error) > measured.THROUGHPUT_TOLERANCE}
     assert not misses, misses
 
 
 def _step(*args: str, world: int = 8) -> steptime.StepTime:
-    config = load_config(["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1", "--compile", *args])
-    return steptime.predict_step(config, world)
+    return steptime.predict_step(resolved(["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1",
+                                           "--compile", *args], world, H200))
 
 
 def test_each_lever_moves_the_step_time_the_way_it_should():
@@ -80,10 +82,11 @@ def test_the_ceiling_is_the_gemms_and_attention_alone_at_the_measured_rates():
     from models import flops
     from models.presets import get_model_config
 
-    def config(*args: str):
-        return load_config(["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "4", "--compile", *args])
+    def config(*args: str, world: int = 1):
+        return resolved(["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "4", "--compile", *args], world,
+                        Machine.gpu_profile("h200"))
 
-    base = steptime.ceiling(config(), 1)
+    base = steptime.ceiling(config())
     cfg = get_model_config("llama-1b")
     tokens = 4 * 4096
     # Every matmul (6 N FLOPs per token, the head included) runs between the full GEMM rate and
@@ -93,15 +96,15 @@ def test_the_ceiling_is_the_gemms_and_attention_alone_at_the_measured_rates():
     slowest = H200.gemm_tflops * narrowest / (narrowest + H200.gemm_half_dim)
     assert matmul_flops / (H200.gemm_tflops * TERA) < base.gemm < matmul_flops / (slowest * TERA)
     assert base.attention > 0 and base.bubble == 0
-    predicted = steptime.predict_step(config(), 1)
+    predicted = steptime.predict_step(config())
     assert base.seconds < predicted.seconds and base.mfu() > predicted.mfu()
     assert abs(base.mfu() - flops.flops_per_token(cfg, 4096) * tokens / base.seconds / (H200.peak_tflops * TERA)) < 1e-12
     # Full recompute runs the forward's matmuls again; FP8 runs the blocks' matmuls faster.
-    recomputed = steptime.ceiling(config("--recompute", "full"), 1)
+    recomputed = steptime.ceiling(config("--recompute", "full"))
     assert recomputed.gemm > base.gemm and recomputed.attention > base.attention
-    assert steptime.ceiling(config("--fp8", "tensorwise"), 1).gemm < base.gemm
+    assert steptime.ceiling(config("--fp8", "tensorwise")).gemm < base.gemm
     # A pipeline keeps its bubble, even with nothing but matmuls.
-    assert steptime.ceiling(config("--mesh", "pp=2", "--global-batch", "8", "--micro-batch", "1"), 2).bubble > 0
+    assert steptime.ceiling(config("--mesh", "pp=2", "--global-batch", "8", "--micro-batch", "1", world=2)).bubble > 0
 
 
 def test_attention_within_synthetic_documents_counts_the_keys_the_data_loader_gives():
@@ -121,8 +124,8 @@ def test_gradient_sums_over_micro_batches_cover_every_expert_whole_where_a_unit_
     from dtrain.planner.workload import workload
 
     def summed(*args: str, world: int = 1) -> float:
-        config = load_config(["--model", "mixtral-small", "--seq-len", "4096", *args])
-        return fsdp_time.accumulated_bytes(workload(config, world))
+        layout = resolved(["--model", "mixtral-small", "--seq-len", "4096", *args], world, H200)
+        return fsdp_time.accumulated_bytes(workload(layout))
 
     assert summed("--micro-batch", "2", "--global-batch", "2") == 0  # one micro-batch: nothing to add
     # One GPU: every unit has one shard and sums whole gradients, 3 later micro-batches against 1.
@@ -145,10 +148,10 @@ def test_fp8_recipes_whose_scale_is_known_cast_cheaper():
 def test_experts_run_faster_with_more_rows_each_and_exchange_over_the_links_they_span():
     from dtrain.planner import gpus, workload
 
-    def moe(mesh: str, world: int):
-        config = load_config(["--model", "mixtral-8x7b", "--seq-len", "4096", "--micro-batch", "1", "--compile",
-                              "--mesh", mesh, "--global-batch", str(world)])
-        return workload.workload(config, world), config
+    def moe(mesh: str, world: int, *overrides: str):
+        layout = resolved(["--model", "mixtral-8x7b", "--seq-len", "4096", "--micro-batch", "1", "--compile",
+                           "--mesh", mesh, "--global-batch", str(world), *overrides], world, H200)
+        return workload.workload(layout), layout
 
     wide, _ = moe("dp=16,ep=8", 16)
     narrow, _ = moe("dp=16,ep=2", 16)
@@ -159,8 +162,10 @@ def test_experts_run_faster_with_more_rows_each_and_exchange_over_the_links_they
     assert h100.exchange_seconds(nbytes, 8, 1) == pytest.approx(nbytes * 7 / 8 / (h100.nvlink_gb_s * 1e9))
     assert h100.exchange_seconds(nbytes, 16, 1) == pytest.approx(nbytes / 2 / (h100.inter_node_gb_s * 1e9))
     assert h100.exchange_seconds(nbytes, 8, 2) == pytest.approx(nbytes / 2 / (h100.inter_node_gb_s * 1e9))
-    one_node = steptime.predict_step(moe("dp=8,ep=8", 8)[1], 8, h100)
-    two_nodes = steptime.predict_step(moe("dp=16,ep=16", 16)[1], 16, h100)
+    # 16 experts, so that ep=16 splits them (a run refuses 8 experts over 16 ranks).
+    sixteen = ("--model-overrides", "num_experts=16")
+    one_node = steptime.predict_step(moe("dp=8,ep=8", 8, *sixteen)[1], h100)
+    two_nodes = steptime.predict_step(moe("dp=16,ep=16", 16, *sixteen)[1], h100)
     assert two_nodes.waits["ep"] > one_node.waits["ep"]
 
 
@@ -171,9 +176,10 @@ def test_units_reduced_once_hide_their_collectives_behind_one_forward_and_one_ba
     from dtrain.planner import gpus
 
     def exposed(global_batch: int, *args: str) -> float:
-        config = load_config(["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1", "--compile",
-                              "--mesh", "dp=16", "--global-batch", str(global_batch), *args])
-        return steptime.predict_step(config, 16, gpus.profile("h100-sxm")).fsdp_exposed
+        layout = resolved(["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1", "--compile",
+                           "--mesh", "dp=16", "--global-batch", str(global_batch), *args], 16,
+                          Machine.gpu_profile("h100-sxm"))
+        return steptime.predict_step(layout, gpus.profile("h100-sxm")).fsdp_exposed
 
     zero1 = exposed(16, "--dp-mode", "zero1")
     assert zero1 > 0 and exposed(128, "--dp-mode", "zero1") == pytest.approx(zero1)

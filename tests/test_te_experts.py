@@ -139,14 +139,14 @@ MOE = ["--model", "tiny-moe", "--steps", "2", "--seed", "0", "--seq-len", "64", 
 
 def _train(run_dir, extra: list[str]) -> list[float]:
     from dtrain import distributed
-    from dtrain.config import load_config
-    from dtrain.layout.checks import with_global_batch
+    from dtrain.layout import Machine
     from dtrain.trainer import Trainer
+    from tests.layouts import resolved
 
-    config = with_global_batch(load_config([*MOE, "--run-dir", str(run_dir), *extra]), 1)
+    layout = resolved([*MOE, "--run-dir", str(run_dir), *extra], machine=Machine.detect())
     runtime = distributed.init_process_group()
     try:
-        return [h["train/loss"] for h in Trainer(config, runtime).fit()]
+        return [h["train/loss"] for h in Trainer(layout, runtime).fit()]
     finally:
         distributed.shutdown()
 

@@ -202,9 +202,9 @@ def test_fp8_state_round_trips_through_a_checkpoint(tmp_path):
 
     from dtrain import distributed
     from dtrain.checkpoint import storage
-    from dtrain.config import load_config
-    from dtrain.layout.checks import with_global_batch
+    from dtrain.layout import Machine
     from dtrain.trainer import Trainer
+    from tests.layouts import resolved
 
     reference = _train(tmp_path / "a", ["--global-batch", "4", *TE_DELAYED, "--checkpoint-every", "5"], steps=10)
     checkpoint = tmp_path / "a" / "checkpoints" / "step_000005"
@@ -212,11 +212,11 @@ def test_fp8_state_round_trips_through_a_checkpoint(tmp_path):
              if k.startswith("fp8.")]
     saved = storage.load_fp8_state(checkpoint, names)
     assert any(v.abs().sum() > 0 for k, v in saved.items() if k.endswith("amax_history"))
-    config = with_global_batch(load_config([*SMALL, "--global-batch", "4", *TE_DELAYED, "--steps", "10",
-                                            "--run-dir", str(tmp_path / "b"), "--resume", str(checkpoint)]), 1)
+    layout = resolved([*SMALL, "--global-batch", "4", *TE_DELAYED, "--steps", "10", "--run-dir", str(tmp_path / "b"),
+                       "--resume", str(checkpoint)], machine=Machine.detect())
     runtime = distributed.init_process_group()
     try:
-        trainer = Trainer(config, runtime)
+        trainer = Trainer(layout, runtime)
         restored = trainer.fp8_scaling.state_dict()
         assert set(restored) == set(saved)
         for name, value in saved.items():

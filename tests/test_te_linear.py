@@ -175,14 +175,16 @@ class _Recorder:
 ])
 def test_te_matmuls_get_local_shards_and_give_the_plans_layout(fake_world, x_layout, w_layout, seen, out_layout):
     from parallel.context import ParallelContext
-    from parallel.mesh import MeshSpec, build_device_mesh
+    from parallel.layout import ParallelLayout
+    from parallel.mesh import MeshSpec, build_meshes
     from parallel.plan import Plan
 
     with fake_world(2):
         spec = MeshSpec.parse("tp=2", 2)
-        mesh = build_device_mesh(spec, "cpu")
+        meshes = build_meshes(spec, "cpu")
+        mesh = meshes.world
         recorder = _Recorder()
-        ctx = ParallelContext(Plan.build(spec, sequence_parallel=True), mesh).with_fp8(recorder)
+        ctx = ParallelContext(ParallelLayout(Plan.build(spec, sequence_parallel=True)), meshes).with_fp8(recorder)
         placements = {"replicate": Replicate(), "sequence": Shard(1), "features": Shard(2)}[x_layout]
         x = distribute_tensor(torch.randn(2, 8, 32), mesh["tp"], [placements], src_data_rank=None)
         w = distribute_tensor(torch.randn(48, 32), mesh["tp"], [w_layout], src_data_rank=None)
@@ -203,15 +205,14 @@ def test_te_matmuls_get_local_shards_and_give_the_plans_layout(fake_world, x_lay
 def _train(run_dir: Path, extra: list[str], steps: int = 3, recipe: str = "delayed") -> list[dict[str, float]]:
     """The tiny model trained in this process with the fake TE (already installed)."""
     from dtrain import distributed
-    from dtrain.config import load_config
-    from dtrain.layout.checks import with_global_batch
     from dtrain.trainer import Trainer
+    from tests.layouts import resolved
 
-    config = with_global_batch(load_config([*TINY_ARGS, "--steps", str(steps), "--run-dir", str(run_dir), *TE,
-                                            *SMALL_BATCH, "--fp8", recipe, *extra]), 1)
+    layout = resolved([*TINY_ARGS, "--steps", str(steps), "--run-dir", str(run_dir), *TE, *SMALL_BATCH, "--fp8",
+                       recipe, *extra])
     runtime = distributed.init_process_group()
     try:
-        return Trainer(config, runtime).fit()
+        return Trainer(layout, runtime).fit()
     finally:
         distributed.shutdown()
 

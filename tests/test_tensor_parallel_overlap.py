@@ -12,16 +12,17 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtrain.config import load_config
-from dtrain.layout.checks import validate, with_global_batch
+from dtrain.layout import Machine
 from models import llama, spec
 from models.errors import UserError
 from models.presets import get_model_config
 from parallel import recompute, tensor_parallel
 from parallel.context import ParallelContext
-from parallel.mesh import MeshSpec, build_device_mesh
+from parallel.layout import ParallelLayout
+from parallel.mesh import MeshSpec, build_meshes
 from parallel.plan import Plan
 from tests.launch import run_cli, train_scalars
+from tests.layouts import resolved
 
 CFG = get_model_config("tiny")
 BATCH, SEQ = 2, 12  # sequence shards of 6 tokens: tp=2 chunks of 3
@@ -34,9 +35,9 @@ def _block(overlap: str | None, recompute_mode: str = "none"):
     mesh_spec = MeshSpec.parse("tp=2", 2)
     plan = Plan.build(mesh_spec, sequence_parallel=True, num_kv_heads=CFG.num_kv_heads,
                       tp_overlap=overlap is not None)
-    mesh = build_device_mesh(mesh_spec, "cpu")
-    ctx = ParallelContext(plan, mesh)
-    ctx.tp_overlap = overlap
+    meshes = build_meshes(mesh_spec, "cpu")
+    mesh = meshes.world
+    ctx = ParallelContext(ParallelLayout(plan, tp_overlap=overlap), meshes)
     block = llama.layers(CFG)[1]
     params = spec.unflatten({
         path: distribute_tensor(torch.randn(p.shape), mesh[plan.param_mesh_dims], plan.param_placements(p.axes),
@@ -220,10 +221,8 @@ def test_tp_overlap_and_async_tp_are_not_both_asked_for():
     (["--mesh", "tp=2", "--sequence-parallel", "--tp-overlap", "symm_mem"], "needs CUDA"),
 ]))
 def test_bad_tp_overlap_is_refused_before_any_work(flags, message):
-    config = load_config(["--model", "tiny", *flags])
-    world = MeshSpec.parse(config.parallel.mesh, None).world_size
     with pytest.raises(UserError, match=message):
-        validate(with_global_batch(config, world), world)
+        resolved(["--model", "tiny", *flags], None, Machine.detect())
 
 
 @pytest.mark.gpu

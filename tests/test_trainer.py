@@ -4,21 +4,18 @@ evaluations and checkpoints must be those of reading every step back at once."""
 from __future__ import annotations
 
 from dtrain import distributed
-from dtrain.config import load_config
-from dtrain.layout.checks import validate, with_global_batch
 from dtrain.resilience import failures
 from dtrain.trainer import Trainer
 from tests.launch import TINY_ARGS
+from tests.layouts import resolved
 
 
 def _fit(run_dir, data: str, overlap: bool) -> list[dict[str, float]]:
-    config = with_global_batch(load_config([*TINY_ARGS, "--run-dir", str(run_dir), "--data", data,
-                                            "--split", "90,10,0", "--eval-every", "4", "--eval-steps", "2",
-                                            "--checkpoint-every", "3"]), 1)
-    validate(config, 1)
+    layout = resolved([*TINY_ARGS, "--run-dir", str(run_dir), "--data", data, "--split", "90,10,0",
+                       "--eval-every", "4", "--eval-steps", "2", "--checkpoint-every", "3"])
     runtime = distributed.init_process_group()
     try:
-        trainer = Trainer(config, runtime)
+        trainer = Trainer(layout, runtime)
         trainer.overlap_read_back = overlap
         return trainer.fit()
     finally:
@@ -62,13 +59,13 @@ def test_a_failing_run_aborts_its_gpu_process_group_instead_of_waiting_for_the_o
                         lambda *args, **kwargs: distributed.Runtime(0, 1, distributed.torch.device("cpu")))
     monkeypatch.setattr(train_lib.distributed, "shutdown", lambda after_error=False: ended.append(after_error))
 
-    def failing_trainer(config, runtime, **kwargs):
+    def failing_trainer(layout, runtime, **kwargs):
         raise RuntimeError("a rank failed")
 
     monkeypatch.setattr(train_lib, "Trainer", failing_trainer)  # the name train() calls
-    config = with_global_batch(load_config([*TINY_ARGS, "--run-dir", str(tmp_path), "--step-timeout", "0"]), 1)
+    layout = resolved([*TINY_ARGS, "--run-dir", str(tmp_path), "--step-timeout", "0"])
     try:
-        train_lib.train(config)
+        train_lib.train(layout)
     except RuntimeError as error:
         assert str(error) == "a rank failed"
     else:

@@ -114,26 +114,29 @@ def ceiling_line(ceiling: dict | None) -> str:
 
 
 def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path | None = None) -> dict | None:
+    import attrs
     import torch
 
     from dtrain.config import load_config
+    from dtrain.layout import Machine
     from dtrain.planner import advice, steptime
-    from dtrain.layout.checks import with_global_batch
     from dtrain.train import train
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     argv = [*SHAPES[shape], "--data", "synthetic", "--steps", str(steps), "--warmup-steps", "2", "--lr", "3e-4",
             "--run-dir", f"runs/bench-{shape}"]
-    config = with_global_batch(load_config(argv + extra), world_size)
+    given = load_config(argv + extra)
+    layout = advice.resolve_run(given, world_size, Machine.detect())
+    # The row records the flags as given (--mesh auto stays auto), with the global batch the run took.
+    config = attrs.evolve(given, data=attrs.evolve(given.data, global_batch=layout.config.data.global_batch))
 
     @functools.cache
     def ceiling() -> dict:
-        """Asked once the run has checked the configuration, with the layout --mesh auto took."""
-        resolved = advice.choose(config, world_size) if config.parallel.mesh == "auto" else config
-        return steptime.ceiling(with_global_batch(resolved, world_size), world_size).as_dict()
+        """The run's step with only its GEMMs and attention at the planner's rates."""
+        return steptime.ceiling(layout).as_dict()
 
     profiler = Profiler(profile_dir, warmup, ceiling)
-    history = train(config, before_step=profiler)
+    history = train(layout, before_step=profiler)
     profiler.finish(max(1, len(history) - warmup))
     if int(os.environ.get("RANK", "0")) != 0:
         return None

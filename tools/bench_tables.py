@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dtrain.metrics import peak_flops_of
-from dtrain.planner.measured import flag_value, gpu_name, read_rows, run_options, setup_key
+from dtrain.planner.measured import gpu_name, read_rows, run_options, setup_key
 from tools import fp8_tables
 from tools.shapes import SHAPES
 
@@ -172,30 +172,32 @@ def _masked(row: dict) -> bool:
 def bubbles(path: Path) -> str:
     """The measured and ideal pipeline bubble of every pair of runs that differ only in the
     number of micro-batches per step (m and 2m)."""
+    from dtrain.planner.measured import row_layout
     from parallel import pipeline
-    from parallel.mesh import MeshSpec
 
     rows = read_rows(path)
     runs = {}
     for r in rows:
-        spec = MeshSpec.parse(r["mesh"] if r["mesh"] != "single" else "", r["gpus"])
-        if spec.pp == 1:
+        if "pp=" not in r["mesh"]:
+            continue
+        layout = row_layout([*SHAPES[r["shape"]], "--micro-batch", str(r["micro_batch"]), "--global-batch",
+                             str(r["global_batch"]), *r["args"]], r["gpus"])
+        if layout.mesh.pp == 1:
             continue
         args = run_options(r, leave_out=("--mesh", "--run-dir", "--global-batch"))
-        m = r["global_batch"] // (r["micro_batch"] * spec.dp_size)
-        runs[(r["shape"], r["mesh"], r["micro_batch"], " ".join(args), m)] = (r, spec)
+        m = layout.num_microbatches
+        runs[(r["shape"], r["mesh"], r["micro_batch"], " ".join(args), m)] = (r, layout)
     lines = ["| shape | mesh | schedule | stages/rank | micro-batches m | step time (m) | step time (2m) | "
              "measured bubble | ideal bubble |", "|---|---|---|---|---|---|---|---|---|"]
-    for (shape, mesh, _, args, m), (r, spec) in sorted(runs.items()):
+    for (shape, mesh, _, args, m), (r, layout) in sorted(runs.items()):
         double = runs.get((shape, mesh, r["micro_batch"], args, 2 * m))
         if double is None:
             continue
         t_m, t_2m = r["median_step_s"], double[0]["median_step_s"]
         per_micro_batch = (t_2m - t_m) / m
         measured = 1 - m * per_micro_batch / t_m
-        schedule = flag_value(r["args"], "--pp-schedule", "1f1b")
-        v = int(flag_value(r["args"], "--pp-virtual-stages", "1"))
-        ideal = pipeline.ideal_bubble(spec.pp, v, m)
+        schedule, v = layout.pipeline.schedule, layout.pipeline.virtual_stages
+        ideal = pipeline.ideal_bubble(layout.mesh.pp, v, m)
         lines.append(f"| {shape} | {mesh} | {schedule} | {v} | {m} | {t_m:.3f} s | {t_2m:.3f} s | "
                      f"{100 * measured:.1f}% | {100 * ideal:.1f}% |")
     return "\n".join(lines)

@@ -21,11 +21,10 @@ from torch import nn
 
 from dtrain.checkpoint import integrity, resume
 from dtrain.checkpoint import storage as ckpt
-from dtrain.config import Config, to_toml
+from dtrain.config import to_toml
 from dtrain.distributed import Runtime
-from models.config import LlamaConfig
+from dtrain.layout import RunLayout
 from models.errors import UserError
-from parallel.mesh import MeshSpec
 from parallel.parallelize import copy_full_
 
 logger = logging.getLogger("dtrain")
@@ -39,10 +38,11 @@ class Checkpointer:
     kept in meta.json. The trainer calls `restore()` once they exist, `start()` before the first
     step, `after_step()` at every step boundary, `finish()` after the last step and `close()` always."""
 
-    def __init__(self, config: Config, runtime: Runtime, *, model_cfg: LlamaConfig, mesh_spec: MeshSpec,
-                 model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, scheduler,
-                 run_state: Callable[[], dict[str, Any]] = dict, fp8_scaling=None):
-        self.config, self.model_cfg, self.mesh_spec = config, model_cfg, mesh_spec
+    def __init__(self, layout: RunLayout, runtime: Runtime, *, model_parts: list[nn.Module],
+                 optimizer: torch.optim.Optimizer, scheduler, run_state: Callable[[], dict[str, Any]] = dict,
+                 fp8_scaling=None):
+        config = layout.config
+        self.config, self.model_cfg, self.mesh_spec = config, layout.model_cfg, layout.mesh
         self.optimizer, self.scheduler, self.run_state = optimizer, scheduler, run_state
         # FP8 delayed scaling's amax histories and scales (parallel.delayed_scaling), or None.
         self.fp8_scaling = fp8_scaling
@@ -52,14 +52,6 @@ class Checkpointer:
         self.rank, self.world_size = runtime.rank, runtime.world_size
         self.is_main = runtime.is_main
         self.root = self.run_dir / ckpt.CHECKPOINTS
-        if self.every < 0 or self.keep_last < 0:
-            raise UserError(f"--checkpoint-every {self.every} and --keep-last {self.keep_last} must be >= 0 "
-                            f"(0 turns checkpoints off / keeps them all)")
-        if t.start_over and t.resume is None:
-            raise UserError("--start-over needs --resume: a run without --resume starts at step 0 anyway")
-        if t.start_over and t.resume not in (ckpt.LATEST, ckpt.AUTO):
-            raise UserError(f"--start-over applies to --resume latest or auto (the checkpoints of --run-dir); "
-                            f"--resume {t.resume} loads that checkpoint or stops: drop one of them")
         self.pending: ckpt.PendingSave | None = None
         self.last_saved: int | None = None
         self.stop_signal: int | None = None

@@ -1,38 +1,57 @@
-"""`--print-plan`: the sharding plan of a configuration, its pipeline stages and the predicted
-memory per rank, printed without training."""
+"""`--print-plan`: a run's layout printed without training: the sharding plan of every parameter,
+the pipeline stages, the run's other decisions (kernels, FP8, recompute, FSDP units) and the
+predicted memory per rank; with --json, the layout's `to_dict()`."""
 
 from __future__ import annotations
 
-from dtrain import distributed, rank_model
-from dtrain.config import Config
-from dtrain.planner import advice, memory
-from dtrain.layout.checks import build_plan, validate, with_global_batch
-from models import families, flops
-from models.presets import get_model_config
-from parallel import pipeline
+import json
+
+from dtrain.layout import RunLayout
+from dtrain.planner import memory
+from models import flops
 from parallel.mesh import MeshSpec
 
 
-def planned_world_size(config: Config) -> int | None:
-    """`--world-size`, else torchrun's; None: the product of the mesh sizes."""
-    if config.parallel.world_size is not None:
-        return config.parallel.world_size
-    return distributed.world_size_from_env() if distributed.launched_by_torchrun() else None
+def print_plan(layout: RunLayout) -> None:
+    if layout.config.parallel.json:
+        print(json.dumps(layout.to_dict(), indent=1))
+        return
+    print(layout.plan.describe(layout.layers))
+    if layout.mesh.pp > 1:
+        print(describe_stages(layout))
+    print("\n".join(decision_lines(layout)))
+    print("\n".join(memory_lines(layout)))
 
 
-def print_plan(config: Config) -> None:
-    """The plan for the mesh as given (`--mesh auto`: the planner's choice for the world)."""
-    world_size = planned_world_size(config)
-    if config.parallel.mesh == "auto":
-        config = advice.choose(config, world_size or 1)
-    mesh_spec = MeshSpec.parse(config.parallel.mesh, world_size)
-    config = with_global_batch(config, mesh_spec.world_size)
-    _, model_cfg = validate(config, mesh_spec.world_size)
-    plan = build_plan(config, mesh_spec, model_cfg)
-    print(plan.describe(families.layers(model_cfg)))
-    if mesh_spec.pp > 1:
-        print(describe_stages(config, mesh_spec, rank_model.blocks_per_stage(config, model_cfg, mesh_spec)))
-    print("\n".join(memory_lines(config, mesh_spec)))
+def decision_lines(layout: RunLayout) -> list[str]:
+    """The run's decisions beyond the plan and the stages, a line each."""
+    par, mesh = layout.parallel, layout.mesh
+    roles = "; ".join(f"{role} over {'x'.join(dims)}" for role, dims in mesh.roles().items())
+    lines = [f"roles: {roles}",
+             f"batch: micro-batch {layout.config.data.micro_batch}, global batch {layout.config.data.global_batch}, "
+             f"{layout.num_microbatches} micro-batches per step on each data-parallel rank"]
+    kernels = [f"{par.precision}"] + ["compiled"] * par.compile
+    if par.tp_overlap is not None:
+        kernels.append(f"tp overlap {par.tp_overlap}")
+    if par.async_tp:
+        kernels.append("async tp")
+    if mesh.cp > 1:
+        kernels.append(f"cp attention {par.cp_comm}")
+    if par.ep_dispatch is not None:
+        kernels.append(f"ep dispatch {par.ep_dispatch}")
+    kernels += [f"{name} attention: {kernel}" for name, kernel in layout.masked_attention_kernels().items()]
+    lines.append("kernels: " + ", ".join(kernels))
+    if par.fp8 is not None:
+        fp8 = par.fp8
+        gather = "float8" if fp8.all_gather else f"bf16 ({fp8.all_gather_blocker})"
+        lines.append(f"fp8: {fp8.recipe} ({fp8.backend}) on {len(fp8.layers)} blocks{' and the head' * fp8.head}"
+                     f"{', the routed experts too' * fp8.experts}; FSDP gathers their weights in {gather}")
+    full = f" + full on {len(par.full_recompute)} blocks" if par.full_recompute else ""
+    lines.append(f"recompute: {par.recompute}{full}")
+    fsdp = par.fsdp
+    lines.append(f"fsdp: {fsdp.dp_mode}, {len(fsdp.resharded)} units freed after forward, reduce once: "
+                 f"{fsdp.to_dict()['reduce_once']}{', CPU offload' * fsdp.cpu_offload}")
+    return lines
 
 
 def stage_text(blocks_per_stage: list[int], stage: int, mtp_depth: int = 0) -> str:
@@ -47,31 +66,31 @@ def stage_text(blocks_per_stage: list[int], stage: int, mtp_depth: int = 0) -> s
     return " + ".join(parts)
 
 
-def mtp_depth(config: Config) -> int:
-    """The model's multi-token prediction modules (0 without)."""
-    return flops.mtp_depth(get_model_config(config.model.model, config.model.model_overrides))
-
-
-def describe_stages(config: Config, mesh_spec: MeshSpec, blocks_per_stage: list[int]) -> str:
+def describe_stages(layout: RunLayout) -> str:
     """A table of the pipeline stages: blocks, layers, and the ranks that hold each."""
-    p = config.parallel
-    ranks_of_pp_rank: dict[int, list[int]] = {}
-    for rank in range(mesh_spec.world_size):
-        ranks_of_pp_rank.setdefault(mesh_spec.coordinates(rank)["pp"], []).append(rank)
-    pp_rank_of_stage = {stage: pp_rank for pp_rank in range(mesh_spec.pp)
-                        for stage in pipeline.stage_ids(pp_rank, mesh_spec.pp, p.pp_virtual_stages, p.pp_schedule)}
-    m = rank_model.num_microbatches(config, mesh_spec)
+    mesh_spec, split = layout.mesh, layout.pipeline
+    counts = list(split.blocks_per_stage)
+    ranks_of_pp_rank = _ranks_of_pp_rank(mesh_spec)
+    pp_rank_of_stage = {stage: pp_rank for pp_rank in range(mesh_spec.pp) for stage in split.stage_ids(pp_rank)}
     rows = [("stage", "blocks", "layers", "pp rank", "ranks")]
-    depth = mtp_depth(config)
-    for stage, count in enumerate(blocks_per_stage):
+    depth = flops.mtp_depth(layout.model_cfg)
+    for stage, count in enumerate(counts):
         pp_rank = pp_rank_of_stage[stage]
-        rows.append((str(stage), str(count), stage_text(blocks_per_stage, stage, depth), str(pp_rank),
+        rows.append((str(stage), str(count), stage_text(counts, stage, depth), str(pp_rank),
                      rank_ranges(tuple(ranks_of_pp_rank[pp_rank]))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [f"pipeline: {p.pp_schedule}, {len(blocks_per_stage)} stages ({mesh_spec.pp} ranks x "
-             f"{p.pp_virtual_stages} per rank), {m} micro-batches per step on each data-parallel rank"]
+    lines = [f"pipeline: {split.schedule}, {split.num_stages} stages ({mesh_spec.pp} ranks x "
+             f"{split.virtual_stages} per rank), {split.num_microbatches} micro-batches per step on each "
+             f"data-parallel rank"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)
+
+
+def _ranks_of_pp_rank(mesh_spec: MeshSpec) -> dict[int, list[int]]:
+    ranks: dict[int, list[int]] = {}
+    for rank in range(mesh_spec.world_size):
+        ranks.setdefault(mesh_spec.coordinates(rank)["pp"], []).append(rank)
+    return ranks
 
 
 def rank_ranges(ranks: tuple[int, ...]) -> str:
@@ -85,15 +104,13 @@ def rank_ranges(ranks: tuple[int, ...]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def memory_lines(config: Config, mesh_spec: MeshSpec) -> list[str]:
+def memory_lines(layout: RunLayout) -> list[str]:
     """The predicted peak GPU memory of each pipeline stage's ranks (every rank of a stage holds
     the same), as python -m dtrain.planner predicts it for H200-class GPUs."""
-    ranks_of_pp_rank: dict[int, list[int]] = {}
-    for rank in range(mesh_spec.world_size):
-        ranks_of_pp_rank.setdefault(mesh_spec.coordinates(rank)["pp"], []).append(rank)
+    mesh_spec = layout.mesh
     lines = ["memory per rank (predicted peak, by category in GB):"]
-    for pp_rank, ranks in sorted(ranks_of_pp_rank.items()):
+    for pp_rank, ranks in sorted(_ranks_of_pp_rank(mesh_spec).items()):
         held_by = f"{'ranks' if len(ranks) > 1 else 'rank'} {rank_ranges(tuple(ranks))}"
         label = f"pp rank {pp_rank} ({held_by})" if mesh_spec.pp > 1 else held_by
-        lines.append(f"  {label}: {memory.predict(config, mesh_spec.world_size, ranks[0]).lines()[0]}")
+        lines.append(f"  {label}: {memory.predict(layout, ranks[0]).lines()[0]}")
     return lines

@@ -33,108 +33,77 @@ from torch.distributed.tensor._redistribute import clear_redistribute_planner_ca
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from dtrain import distributed, rank_model
-from dtrain.config import Config
-from dtrain.optim import build_optimizer
 from dtrain.inspect.accounting import Accounting, CollectiveTally
-from dtrain.inspect.describe import planned_world_size
 from dtrain.inspect.dry_run_report import ProgramReport, StageCost, header_text, role_text
 from dtrain.inspect.roles import Role, find_roles
-from dtrain.layout.checks import build_plan, validate, with_global_batch
+from dtrain.layout import RunLayout
+from dtrain.optim import build_optimizer
 from models import families
-from models.config import MoEConfig
-from models.errors import UserError
 from models.llama import RESIDUAL
 from parallel import context_parallel, pipeline, precision
-from parallel.data_parallel import expert_parameters, fsdp_settings, rescale_expert_grads_, set_micro_batch_sync
-from parallel.expert_parallel import choose_dispatch
+from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
 from parallel.gradients import clip_grads_
-from parallel.mesh import FSDP_SHARD_DIM, MESH_DIMS, MeshSpec, build_device_mesh, build_expert_mesh
+from parallel.mesh import FSDP_SHARD_DIM, MESH_DIMS, Meshes, MeshSpec, build_meshes
 from parallel.parallelize import materialize
-from parallel.recompute import full_recompute_blocks
 
 
-def dry_run(config: Config) -> list[tuple[Role, ProgramReport]]:
-    """Checks the configuration as a real run does, then runs and prints every role; returns
-    each role with the report of its program."""
+def dry_run(layout: RunLayout) -> list[tuple[Role, ProgramReport]]:
+    """Runs and prints every role of a run's layout (resolved as a real run's, with the dry run's
+    own refusals); returns each role with the report of its program."""
     started, cpu_started = time.perf_counter(), time.process_time()
-    p = config.parallel
-    world_size = MeshSpec.parse(p.mesh, planned_world_size(config)).world_size
-    config = with_global_batch(config, world_size)
-    mesh_spec, model_cfg = validate(config, world_size)
-    if isinstance(model_cfg, MoEConfig):
-        raise UserError(f"--dry-run does not run mixture-of-experts models yet ({config.model.model}): their "
-                        f"routing reads token counts that fake tensors do not hold; --print-plan shows the layout")
-    if model_cfg.sliding_window is not None or config.data.document_mask:
-        raise UserError("--dry-run does not apply sliding windows or document masks yet: their masks are built "
-                        "from token values that fake tensors do not hold; drop them for the dry run")
-    if config.train.fp8 is not None and config.train.fp8_backend == "te":
-        raise UserError("--dry-run does not run Transformer Engine's FP8 kernels (CUDA only); use "
-                        "--fp8-backend torchao for the dry run, whose FP8 casts run on fake tensors")
-    if config.train.compile:
+    config, p, world_size = layout.config, layout.config.parallel, layout.world_size
+    if layout.parallel.compile:
         # Compiling the blocks on fake tensors would take longer than the run; a compiled block's
         # fusions only lower its activations.
         print("dry run: --compile is left out, blocks run eagerly")
-        config = attrs.evolve(config, train=attrs.evolve(config.train, compile=False))
-    if p.dry_run_rank is not None and not 0 <= p.dry_run_rank < world_size:
-        raise UserError(f"--dry-run-rank {p.dry_run_rank} is not a rank of a world of {world_size}; "
-                        f"use 0..{world_size - 1}")
-    plan = build_plan(config, mesh_spec, model_cfg)
-    counts = rank_model.blocks_per_stage(config, model_cfg, mesh_spec)
-    full = full_recompute_blocks(counts, config.train.recompute_layers)
-    fp8 = precision.fp8_blocks(model_cfg.num_layers, config.train.fp8_keep_ends) if config.train.fp8 else frozenset()
-    roles = find_roles(plan, model_cfg, counts, schedule=p.pp_schedule, virtual=p.pp_virtual_stages,
+        layout = attrs.evolve(layout, parallel=attrs.evolve(layout.parallel, compile=False))
+    counts = list(layout.pipeline.blocks_per_stage)
+    full, fp8 = layout.parallel.full_recompute, layout.parallel.fp8_layers
+    roles = find_roles(layout.plan, layout.model_cfg, counts, schedule=p.pp_schedule, virtual=p.pp_virtual_stages,
                        seq_len=config.data.seq_len, layer_flags=lambda name: (name in full, name in fp8))
     if p.dry_run_rank is not None:
         role = next(r for r in roles if p.dry_run_rank in r.ranks)
         roles = [attrs.evolve(role, ranks=(p.dry_run_rank,))]
-    m = rank_model.num_microbatches(config, mesh_spec)
-    print(header_text(config, mesh_spec, world_size, m, roles, counts), flush=True)
+    print(header_text(layout, roles), flush=True)
     programs: dict = {}
     for role in roles:
         if role.program not in programs:
             same = [r.pp_rank for r in roles if r.program == role.program]
-            programs[role.program] = _run_program(config, world_size, role, same, mesh_spec, model_cfg)
-        print(role_text(config, mesh_spec, role, programs[role.program], counts), flush=True)
+            programs[role.program] = _run_program(layout, role, same)
+        print(role_text(layout, role, programs[role.program]), flush=True)
     print(f"dry run: {len(roles)} role(s), {len(programs)} program(s) run in {time.process_time() - cpu_started:.0f} "
           f"CPU-seconds, {time.perf_counter() - started:.0f} s")
     return [(role, programs[role.program]) for role in roles]
 
 
-def _mesh_groups(mesh, expert_mesh, mesh_spec: MeshSpec) -> dict[str, dist.ProcessGroup]:
-    groups = {dim: mesh.get_group(dim) for dim in MESH_DIMS if getattr(mesh_spec, dim) > 1}
+def _mesh_groups(meshes: Meshes, mesh_spec: MeshSpec) -> dict[str, dist.ProcessGroup]:
+    groups = {dim: meshes.group(dim) for dim in MESH_DIMS if getattr(mesh_spec, dim) > 1}
     if mesh_spec.dp_shard > 1 and mesh_spec.cp > 1:
-        groups[FSDP_SHARD_DIM] = mesh.get_group(FSDP_SHARD_DIM)
-    if expert_mesh is not None:
-        groups.update({dim: expert_mesh.get_group(dim) for dim in ("edp", "ep") if expert_mesh.size(
-            expert_mesh.mesh_dim_names.index(dim)) > 1})
+        groups[FSDP_SHARD_DIM] = meshes.group(FSDP_SHARD_DIM)
+    if mesh_spec.ep > 1:
+        groups.update({dim: meshes.group(dim) for dim in ("edp", "ep") if getattr(mesh_spec, dim) > 1})
     return groups
 
 
-def _run_program(config: Config, world_size: int, role: Role, pp_ranks: list[int], mesh_spec: MeshSpec,
-                 model_cfg) -> ProgramReport:
+def _run_program(layout: RunLayout, role: Role, pp_ranks: list[int]) -> ProgramReport:
     """One step of the program of `role`'s first rank, on fake tensors; with pipelining also how
     many micro-batches the program's stages hold on each of `pp_ranks`, which run it too."""
-    distributed.init_fake_process_group(world_size, role.first_rank)
+    mesh_spec, split = layout.mesh, layout.pipeline
+    distributed.init_fake_process_group(layout.world_size, role.first_rank)
     try:
         # Meshes and the model's layout on `meta` first: building meshes reads real tensors.
-        mesh = build_device_mesh(mesh_spec, "cpu")
-        expert_mesh = build_expert_mesh(mesh_spec, "cpu")
-        plan = build_plan(config, mesh_spec, model_cfg)
-        ep_dispatch = (choose_dispatch(config.parallel.ep_dispatch, mesh_spec.ep, model_cfg.top_k,
-                                       dropless=model_cfg.capacity_factor is None) if mesh_spec.ep > 1 else None)
-        built = rank_model.build_model_parts(config, model_cfg, plan, mesh, expert_mesh=expert_mesh,
-                                        device=torch.device("meta"), ep_dispatch=ep_dispatch,
-                                        fp8_linear=precision.fp8_linear(config.train.fp8, torch.device("cpu"),
-                                                                        config.train.fp8_all_gather))
-        with FakeTensorMode(allow_non_fake_inputs=True), Accounting(_mesh_groups(mesh, expert_mesh, mesh_spec)) as acct:
-            step = _Step(config, mesh_spec, model_cfg, mesh, plan, built, acct, role.first_rank)
+        meshes = build_meshes(mesh_spec, "cpu")
+        # FP8's casts run on fake CPU tensors: emulated.
+        fp8 = layout.parallel.fp8 and attrs.evolve(layout.parallel.fp8, emulated=True)
+        built = rank_model.build_model_parts(layout, meshes, device=torch.device("meta"),
+                                             fp8=precision.fp8_backend(fp8, torch.device("cpu")))
+        with FakeTensorMode(allow_non_fake_inputs=True), Accounting(_mesh_groups(meshes, mesh_spec)) as acct:
+            step = _Step(layout, meshes, built, acct, role.first_rank)
             report = step.run()
             if mesh_spec.pp > 1:
                 for pp_rank in pp_ranks:
-                    ids = pipeline.stage_ids(pp_rank, mesh_spec.pp, config.parallel.pp_virtual_stages,
-                                             config.parallel.pp_schedule)
                     report.held[pp_rank] = pipeline.activations_held(step.runner.schedule, pp_rank, mesh_spec.pp,
-                                                                     ids, step.m)
+                                                                     split.stage_ids(pp_rank), step.m)
     finally:
         dist.destroy_process_group()
         # DTensor caches its sharding decisions and redistribution plans by mesh, and a mesh of
@@ -148,18 +117,19 @@ def _run_program(config: Config, world_size: int, role: Role, pp_ranks: list[int
 class _Step:
     """The trainer's step, phase by phase, with what each phase costs."""
 
-    def __init__(self, config: Config, mesh_spec: MeshSpec, model_cfg, mesh, plan, built: rank_model.ModelParts,
-                 acct: Accounting, rank: int):
-        self.config, self.mesh_spec, self.model_cfg, self.mesh, self.plan = config, mesh_spec, model_cfg, mesh, plan
+    def __init__(self, layout: RunLayout, meshes: Meshes, built: rank_model.ModelParts, acct: Accounting, rank: int):
+        self.layout, self.config, self.meshes = layout, layout.config, meshes
+        self.mesh_spec, self.model_cfg, self.plan = layout.mesh, layout.model_cfg, layout.plan
         self.built, self.acct = built, acct
         self.report = ProgramReport(rank)
         self.runner = None
-        self.m = rank_model.num_microbatches(config, mesh_spec)
+        self.m = layout.num_microbatches
 
     def run(self) -> ProgramReport:
         config, acct, parts = self.config, self.acct, self.built.parts
         for part in parts:
-            materialize(part, torch.device("cpu"), config.train.seed, cpu_offload=config.parallel.cpu_offload)
+            materialize(part, torch.device("cpu"), self.layout.parallel.seed,
+                        cpu_offload=self.layout.parallel.fsdp.cpu_offload)
         # The fused AdamW kernel, as on GPUs (foreach would add its temporaries).
         optimizer = build_optimizer(parts, config.optim)
         _create_state(optimizer)
@@ -172,13 +142,13 @@ class _Step:
         params = [p for part in parts for p in part.parameters()]
         self.report.grad_bytes = _local_bytes(p.grad for p in params if p.grad is not None)
         acct.reset_peak()
-        tp_group = self.mesh.get_group("tp") if self.mesh_spec.tp > 1 else None
+        tp_group = self.meshes.group("tp") if self.mesh_spec.tp > 1 else None
         rescale_expert_grads_(expert_parameters(parts, self.plan), self.plan, tp_group)
-        pp_group = self.mesh.get_group("pp") if self.mesh_spec.pp > 1 else None
+        pp_group = self.meshes.group("pp") if self.mesh_spec.pp > 1 else None
         clip_grads_(params, config.optim.grad_clip, pp_group, optimizer)
         optimizer.step()
         loss = torch.zeros(())
-        for group in rank_model.loss_reduction_groups(self.mesh, self.mesh_spec):
+        for group in self.meshes.groups(self.mesh_spec.loss_dims):
             dist.all_reduce(loss, group=group)
         self.report.optimizer_bytes = _local_bytes(t for state in optimizer.state.values() for t in state.values()
                                                    if isinstance(t, torch.Tensor))
@@ -196,7 +166,7 @@ class _Step:
         """One micro-batch's token ids and its aux (RoPE, labels) as this rank holds them."""
         d, cp = self.config.data, self.mesh_spec.cp
         tokens = torch.randint(0, self.model_cfg.vocab_size, (d.micro_batch, d.seq_len))
-        cp_rank = self.mesh.get_local_rank("cp")
+        cp_rank = self.meshes.local_rank("cp")
         positions = context_parallel.load_balance_indices(d.seq_len, cp, cp_rank) if cp > 1 else torch.arange(d.seq_len)
         if cp > 1:
             tokens = context_parallel.shard_sequence(tokens, cp, cp_rank)
@@ -218,8 +188,6 @@ class _Step:
         """The trainer's loop: the first micro-batch, one in steady state, the last (those that
         exist), the steady one counted for all the middle ones."""
         model, ctx = self.built.parts[0], self.built.ctx
-        p = self.config.parallel
-        reduce_once = fsdp_settings(p.dp_mode, p.fsdp_reshard_after_forward, p.fsdp_reduce_once)[1]
         kinds = [("last", 1)] if self.m == 1 else [("first", 1), ("steady", self.m - 2), ("last", 1)]
         for kind, times in kinds:
             if times == 0:
@@ -227,7 +195,7 @@ class _Step:
             tokens, aux = self._inputs()
 
             def forward():
-                set_micro_batch_sync(model, last=kind == "last", everywhere=reduce_once)
+                set_micro_batch_sync(model, last=kind == "last")
                 loss = model(tokens, aux)
                 return loss.backward
 
@@ -238,10 +206,10 @@ class _Step:
 
     def _pipelined_micro_batches(self) -> None:
         """This rank's stages as torch's PipelineStage runs them, without peers."""
-        built, p = self.built, self.config.parallel
-        num_stages = len(built.blocks_per_stage)
-        runner = pipeline.PipelineRunner(built.parts, built.stage_ids, num_stages, p.pp_schedule, self.m,
-                                         torch.device("cpu"), self.mesh.get_group("pp"), 1.0)
+        built, split = self.built, self.layout.pipeline
+        num_stages = split.num_stages
+        runner = pipeline.PipelineRunner(built.parts, built.stage_ids, num_stages, split.schedule, self.m,
+                                         torch.device("cpu"), self.meshes.group("pp"), 1.0)
         self.runner = runner
         for kind, times in (("first", 1), ("steady", self.m - 1)):
             if kind == "steady":
@@ -288,7 +256,7 @@ class _Step:
         """The previous stage's output as this stage receives it: this rank's shard of the
         residual stream, in the compute dtype."""
         batch, seq = tokens.shape
-        dtype = rank_model.COMPUTE_DTYPES[self.config.train.precision]
+        dtype = self.layout.parallel.compute_dtype
         full = torch.empty(batch, seq, self.model_cfg.dim, dtype=dtype)
         ctx = self.built.ctx
         if ctx.activation_mesh is None:

@@ -9,12 +9,13 @@ from collections import defaultdict
 
 import attrs
 
-from dtrain.config import Config
-from dtrain.planner import memory
 from dtrain.inspect.accounting import CollectiveTally
-from dtrain.inspect.describe import mtp_depth, rank_ranges, stage_text
+from dtrain.inspect.describe import rank_ranges, stage_text
 from dtrain.inspect.roles import Role
-from parallel.mesh import FSDP_SHARD_DIM, MESH_DIMS, MeshSpec
+from dtrain.layout import RunLayout
+from dtrain.planner import memory
+from models import flops
+from parallel.mesh import FSDP_SHARD_DIM, MESH_DIMS
 
 
 @attrs.define
@@ -50,13 +51,14 @@ def bytes_text(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def header_text(config: Config, mesh_spec: MeshSpec, world_size: int, m: int, roles: list[Role], counts) -> str:
-    d, p = config.data, config.parallel
+def header_text(layout: RunLayout, roles: list[Role]) -> str:
+    config, mesh_spec, world_size, m = layout.config, layout.mesh, layout.world_size, layout.num_microbatches
+    d, p, counts = config.data, config.parallel, list(layout.pipeline.blocks_per_stage)
     lines = [f"dry run: {config.model.model} on {world_size} ranks, mesh {mesh_spec}, seq {d.seq_len}, "
              f"micro-batch {d.micro_batch}, global batch {d.global_batch} ({m} micro-batches per step per "
              f"data-parallel rank), {config.train.precision}, recompute {config.train.recompute}"
              + (f" + full on {config.train.recompute_layers} blocks per stage" if config.train.recompute_layers else "")
-             + (", CPU offload" if p.cpu_offload else "")]
+             + (", CPU offload" if layout.parallel.fsdp.cpu_offload else "")]
     if mesh_spec.pp > 1:
         lines.append(f"pipeline: {p.pp_schedule}, {len(counts)} stages, blocks per stage {counts}")
     lines.append(f"{len(roles)} role(s) of rank: ranks that differ only in their data-parallel coordinate (or in "
@@ -90,13 +92,14 @@ def peak_of_role(report: ProgramReport, role: Role, offload_bytes: int = 0) -> t
 _DIM_ORDER = {dim: i for i, dim in enumerate((*MESH_DIMS, FSDP_SHARD_DIM, "edp", "ep", "world", "other"))}
 
 
-def role_text(config: Config, mesh_spec: MeshSpec, role: Role, report: ProgramReport, counts) -> str:
+def role_text(layout: RunLayout, role: Role, report: ProgramReport) -> str:
+    config, mesh_spec, counts = layout.config, layout.mesh, list(layout.pipeline.blocks_per_stage)
     where = ""
     if mesh_spec.pp > 1:
-        depth = mtp_depth(config)
+        depth = flops.mtp_depth(layout.model_cfg)
         where = " | pp rank {}: ".format(role.pp_rank) + ", ".join(
             f"stage {s} ({stage_text(counts, s, depth)})" for s in role.stage_ids)
-    offload = report.param_bytes + report.grad_bytes + report.optimizer_bytes if config.parallel.cpu_offload else 0
+    offload = report.param_bytes + report.grad_bytes + report.optimizer_bytes if layout.parallel.fsdp.cpu_offload else 0
     peak, why = peak_of_role(report, role, offload)
     lines = [
         f"ranks {rank_ranges(role.ranks)}{where} (run as rank {report.rank})",
@@ -104,7 +107,7 @@ def role_text(config: Config, mesh_spec: MeshSpec, role: Role, report: ProgramRe
         f"optimizer state {bytes_text(report.optimizer_bytes)}" + (" (in host memory)" if offload else ""),
         f"  peak memory {bytes_text(peak)} {why}",
         # The memory model's figure beside the measured one: the planner ranks layouts by it.
-        f"  memory model: {memory.predict(config, mesh_spec.world_size, report.rank).lines()[0]}",
+        f"  memory model: {memory.predict(layout, report.rank).lines()[0]}",
         "  collectives per step: mesh dim, kind, count, bytes",
     ]
     for (dim, kind), tally in sorted(report.collectives.items(), key=lambda kv: (_DIM_ORDER[kv[0][0]], kv[0][1])):

@@ -21,6 +21,7 @@ import attrs
 import torch.distributed as dist
 
 from dtrain.config import Config
+from dtrain.layout.run_layout import RunLayout
 from models.errors import UserError
 
 GB = 1e9
@@ -37,14 +38,14 @@ def readable(size: float) -> str:
     return f"{size / GB:.1f} GB" if size >= 0.1 * GB else f"{size / 1e6:.1f} MB"
 
 
-def rank_need_bytes(config: Config, world_size: int, rank: int) -> float:
+def rank_need_bytes(layout: RunLayout, rank: int) -> float:
     """The memory model's peak of `rank` on the CPU, without the GPU libraries' workspaces and with
     what --cpu-offload moves to host memory (all of it is host memory here)."""
     from dtrain.planner.activations import CPU
     from dtrain.planner.memory import predict_workload
     from dtrain.planner.workload import workload
 
-    breakdown = predict_workload(workload(config, world_size, rank, "cpu"), CPU)
+    breakdown = predict_workload(workload(layout, rank), CPU)
     return breakdown.total - breakdown.workspace + breakdown.host
 
 
@@ -99,16 +100,17 @@ def host_memory_problem(config: Config, needs: list[RankNeed]) -> str | None:
     return None
 
 
-def check_host_memory(config: Config, rank: int, world_size: int, device_type: str) -> None:
+def check_host_memory(layout: RunLayout, rank: int, device_type: str) -> None:
     """A CPU run whose ranks would not fit in their hosts' memory stops here, on every rank alike
     (GPU runs keep their weights in GPU memory: the out-of-memory report covers those)."""
     if device_type != "cpu":
         return
-    own = RankNeed(socket.gethostname(), rank_need_bytes(config, world_size, rank), available_bytes())
+    world_size = layout.world_size
+    own = RankNeed(socket.gethostname(), rank_need_bytes(layout, rank), available_bytes())
     needs = [own]
     if dist.is_initialized() and world_size > 1:
         needs = [None] * world_size
         dist.all_gather_object(needs, own)
-    problem = host_memory_problem(config, needs)
+    problem = host_memory_problem(layout.config, needs)
     if problem is not None:
         raise UserError(problem)

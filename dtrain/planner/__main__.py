@@ -30,15 +30,13 @@ from pathlib import Path
 import attrs
 
 from dtrain.config import ParallelArgs, TrainArgs
-from dtrain.layout.checks import check_experts, check_head
 from dtrain.planner import gpus
 from dtrain.planner.candidates import Fixed, Target
 from dtrain.planner.hardware import H200
 from dtrain.planner.report import END_MARKER, plan_text, write_into_readme
 from dtrain.planner.search import nothing_fits, search
 from models.errors import UserError
-from models.presets import get_model_config
-from parallel.precision import FP8_RECIPES, check_fp8_recipe
+from parallel.precision import FP8_RECIPES
 
 __all__ = ["END_MARKER", "main"]
 
@@ -149,8 +147,6 @@ def target_of(args: argparse.Namespace) -> Target:
             raise UserError(f"{flag} {value} must be >= 1")
     if args.recompute_layers is not None and args.recompute_layers < 0:
         raise UserError(f"--recompute-layers {args.recompute_layers} must be >= 0")
-    check_head(args.fp8, args.fp8_head, args.loss_chunk_tokens)
-    check_fp8_recipe(args.fp8, args.fp8_backend)
     fixed = Fixed(mesh=args.mesh, micro_batch=args.micro_batch, recompute=args.recompute,
                   recompute_layers=args.recompute_layers, pp_schedule=args.pp_schedule,
                   pp_virtual_stages=args.pp_virtual_stages, fsdp_reshard_after_forward=args.fsdp_reshard_after_forward,
@@ -160,7 +156,6 @@ def target_of(args: argparse.Namespace) -> Target:
                     model_overrides=args.model_overrides, fp8=args.fp8, fp8_backend=args.fp8_backend,
                     fp8_head=args.fp8_head, fp8_experts=args.fp8_experts, loss_chunk_tokens=args.loss_chunk_tokens,
                     inter_node_gb_s=args.inter_node_gb_s, host_memory_gb=args.host_memory_gb, fixed=fixed)
-    check_experts(target, get_model_config(args.model, args.model_overrides))
     return target
 
 

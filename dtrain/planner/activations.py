@@ -42,6 +42,12 @@ CUDA = KernelFacts(output_copies=1, eager_expands_kv=True, extra_outputs=0.7)
 CPU = KernelFacts(output_copies=2, eager_expands_kv=True, extra_outputs=0.0)
 
 
+def kernel_facts(layout) -> KernelFacts:
+    """The attention kernel's facts on the machine a layout was resolved for: SDPA's cuDNN or flash
+    kernels on CUDA, its flash kernel for the CPU there."""
+    return CPU if layout.machine.device_type == "cpu" else CUDA
+
+
 def _widths(work: Workload) -> tuple[int, int, int, int, int]:
     """Per tp rank: model dim, residual width per token (d/tp under SP), query width, K/V width,
     local query heads."""
@@ -53,8 +59,9 @@ def _widths(work: Workload) -> tuple[int, int, int, int, int]:
     return d, residual, heads * hd, kv_heads * hd, heads
 
 
-def block_bytes(work: Workload, block: int, mode: str, kernel: KernelFacts = CUDA) -> float:
+def block_bytes(work: Workload, block: int, mode: str, kernel: KernelFacts | None = None) -> float:
     """Saved bytes of one micro-batch of `block` on this rank under recompute `mode`."""
+    kernel = kernel or kernel_facts(work.layout)
     t, p = work.config.train, work.config.parallel
     key = ("saved", work.block_kinds[block], _saves_float8(work, block), mode, kernel, work.tokens, t.precision,
            t.compile, t.fuse_projections, p.cp_comm)
@@ -165,7 +172,7 @@ def _moe_per_token(work: Workload, mode: str, compiled: bool, b: int) -> float:
     return 4 * d + router + b * rows * (2 * d + 3 * f) + (b * (d + 3 * shared) if shared else 0.0)
 
 
-def recompute_peak_bytes(work: Workload, block: int, kernel: KernelFacts = CUDA) -> float:
+def recompute_peak_bytes(work: Workload, block: int, kernel: KernelFacts | None = None) -> float:
     """Under full recompute, one block's activations exist again while its backward runs."""
     return block_bytes(work, block, "none", kernel)
 

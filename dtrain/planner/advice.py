@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from dtrain.config import Config
+from dtrain.layout import Machine, RunLayout, resolve
 from dtrain.planner import memory
 from dtrain.planner.hardware import GIGA
 from dtrain.planner import gpus
@@ -49,6 +50,14 @@ def target_of(config: Config, world_size: int) -> Target:
                   gpu=gpus.detect(), gpu_memory_gb=gpu_memory_gb(config), gpus_per_node=gpus_per_node(), fp8=t.fp8,
                   fp8_backend=t.fp8_backend, fp8_head=t.fp8_head, fp8_experts=t.fp8_experts,
                   loss_chunk_tokens=t.loss_chunk_tokens, compile=t.compile, precision=t.precision)
+
+
+def resolve_run(config: Config, world_size: int | None, machine: Machine) -> RunLayout:
+    """The layout of a run: `--mesh auto` chosen by the planner first (for `world_size`, 1 if
+    None), then resolved (dtrain.layout.resolve)."""
+    if config.parallel.mesh == "auto":
+        config = choose(config, world_size or 1)
+    return resolve(config, world_size, machine)
 
 
 def choose(config: Config, world_size: int) -> Config:
@@ -91,8 +100,7 @@ def summary(candidate: Candidate) -> str:
 
 def _distance(candidate: Candidate, config: Config, mesh: MeshSpec) -> int:
     """How many settings a candidate changes: each mesh size, the micro-batch, recompute, offload."""
-    c = candidate.config
-    theirs = MeshSpec.parse(c.parallel.mesh, mesh.world_size)
+    c, theirs = candidate.config, candidate.layout.mesh
     changed = sum(getattr(theirs, key) != getattr(mesh, key) for key in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"))
     changed += c.data.micro_batch != config.data.micro_batch
     changed += (c.train.recompute, c.train.recompute_layers) != (config.train.recompute, config.train.recompute_layers)
@@ -102,16 +110,16 @@ def _distance(candidate: Candidate, config: Config, mesh: MeshSpec) -> int:
     return changed
 
 
-def out_of_memory_report(config: Config, world_size: int, rank: int, error: BaseException) -> str:
+def out_of_memory_report(layout: RunLayout, rank: int, error: BaseException) -> str:
     """A few lines: the error, this rank's predicted peak and breakdown, the nearest layout that fits."""
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    config, world_size = layout.config, layout.world_size
     limit = gpu_memory_gb(config)
     lines = [f"rank {rank} ran out of GPU memory ({first_line[:160]})"]
     try:
-        predicted = memory.predict(config, world_size, rank)
+        predicted = memory.predict(layout, rank)
         lines.append(f"  predicted for this rank: {predicted.lines()[0].replace(' GB at', f' of {limit:g} GB at', 1)}")
         target = target_of(config, world_size)
-        mesh = MeshSpec.parse(config.parallel.mesh, world_size)
         fits = search(target)
     except UserError as planner_error:
         lines.append(f"  the planner cannot say more: {planner_error}")
@@ -119,7 +127,7 @@ def out_of_memory_report(config: Config, world_size: int, rank: int, error: Base
     if not fits:
         lines.append(f"  {nothing_fits(target)}")
         return "\n".join(lines)
-    nearest = min(fits, key=lambda c: (_distance(c, config, mesh), -c.tokens_per_sec_per_gpu))
+    nearest = min(fits, key=lambda c: (_distance(c, config, layout.mesh), -c.tokens_per_sec_per_gpu))
     lines.append(f"  nearest layout that fits: {summary(nearest)}")
     fp8 = "".join(f" {flag}" for flag in fp8_flags(target))
     lines.append(f"  python -m dtrain.planner --model {target.model} --gpus {world_size} --gpu-memory-gb {limit:g} "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import attrs
 
 from dtrain.config import Config, TrainArgs
+from dtrain.layout import Machine, RunLayout
 from dtrain.planner import gpus, memory, steptime
 from dtrain.planner.hardware import GIGA, H200, Hardware
 
@@ -55,6 +56,11 @@ class Target:
     fixed: Fixed = Fixed()
 
     @property
+    def machine(self) -> Machine:
+        """The machine the layouts are resolved for: GPUs of this profile."""
+        return Machine.gpu_profile(self.gpu)
+
+    @property
     def hardware(self) -> Hardware:
         return gpus.profile(self.gpu, memory_gb=self.gpu_memory_gb, inter_node_gb_s=self.inter_node_gb_s,
                             gpus_per_node=self.gpus_per_node, host_memory_gb=self.host_memory_gb)
@@ -66,13 +72,17 @@ class Target:
 
 @attrs.frozen
 class Candidate:
-    config: Config
+    layout: RunLayout
     memory: memory.MemoryBreakdown   # the rank with the largest peak
     step: steptime.StepTime
     gpus: int
     gpus_per_node: int
     gpu: str = gpus.DEFAULT
     fits: bool = True                # False only for a fixed layout that fits in no way
+
+    @property
+    def config(self) -> Config:
+        return self.layout.config
 
     @property
     def mesh(self) -> str:

@@ -31,10 +31,10 @@ def fsdp_exposed_seconds(work: Workload, compute: float, hw: Hardware) -> dict[s
     compute beside it by `overlap_slowdown` of the time NVLink would take to move its bytes (its
     kernels' share of the SMs and of HBM grows with the bytes it moves per second, so a collective
     over the slower network slows compute less per second of overlap)."""
-    p, mesh = work.config.parallel, work.mesh_spec
+    mesh = work.mesh_spec
     totals = work.unit_totals()
     m = work.num_microbatches
-    once = mesh.pp > 1 or p.fsdp_reduce_once
+    once = work.layout.parallel.fsdp.reduce_once
     span = mesh.tp * mesh.cp * mesh.dp_shard
     link_gb_s = hw.link_gb_s(span)
     link = link_gb_s * GIGA
@@ -77,7 +77,7 @@ def optimizer_seconds(work: Workload, hw: Hardware) -> tuple[float, float]:
     totals = work.unit_totals()
     trainable = totals.trainable
     copies = FSDP_COPY_BYTES * totals.gathered_trainable / (hw.hbm_tb_s * TERA)
-    if not work.config.parallel.cpu_offload:
+    if not work.layout.parallel.fsdp.cpu_offload:
         return (OPTIMIZER_BYTES * trainable + accumulated_bytes(work)) / (hw.hbm_tb_s * TERA) + copies, 0.0
     # Gradients come to the host, the step runs on the CPU, and the weights go back each step.
     return OPTIMIZER_BYTES * trainable / (hw.cpu_adam_gb_s * GIGA), 4 * trainable * 2 / (hw.host_gb_s * GIGA)

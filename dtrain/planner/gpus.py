@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import attrs
 
+from dtrain.layout.machine import DEFAULT_PROFILE, Machine
 from dtrain.planner.hardware import H200, Hardware
 
 
@@ -42,7 +43,7 @@ DATASHEETS = {
     "b200": Datasheet("B200 (HGX)", 180.0, 2250.0, 4500.0, 8.0, 1800.0, 50.0, 64.0),
 }
 MEASURED = "h200"
-DEFAULT = "h200"
+DEFAULT = DEFAULT_PROFILE
 
 # Each measured rate and the datasheet figure whose ratio carries it to another GPU.
 SCALED_BY = {
@@ -53,8 +54,6 @@ SCALED_BY = {
     "nvlink_gb_s": "nvlink_gb_s",
     "host_gb_s": "pcie_gb_s",
 }
-# What the names that CUDA reports (torch.cuda.get_device_name) contain, per profile.
-DEVICE_NAMES = (("A100", "a100-80gb"), ("H100", "h100-sxm"), ("H800", "h800"), ("H200", "h200"), ("B200", "b200"))
 
 
 def profile(name: str, memory_gb: float | None = None, inter_node_gb_s: float | None = None, **settings) -> Hardware:
@@ -84,13 +83,8 @@ def profile(name: str, memory_gb: float | None = None, inter_node_gb_s: float | 
 
 
 def detect() -> str:
-    """The profile of the GPU this process sees (its CUDA name), else the default."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return DEFAULT
-    reported = torch.cuda.get_device_name(torch.cuda.current_device())
-    return next((name for key, name in DEVICE_NAMES if key in reported), DEFAULT)
+    """The profile of the GPU this process sees, else the default."""
+    return Machine.detect().gpu
 
 
 def profiles_table() -> str:

@@ -16,8 +16,8 @@ from pathlib import Path
 import attrs
 
 from dtrain.config import Config, load_config
+from dtrain.layout import Machine, RunLayout, resolve
 from models.errors import UserError
-from parallel.mesh import MeshSpec
 
 MEMORY_TOLERANCE = 0.10
 THROUGHPUT_TOLERANCE = 0.15
@@ -55,12 +55,17 @@ UNBALANCED_EP = "untrained routing under ep: the step waits for the most loaded 
 
 @attrs.frozen
 class Row:
-    """One measured run, the configuration it ran, and why it is left out (if it is)."""
+    """One measured run, the layout it ran (resolved for the H200s it ran on), and why it is left
+    out (if it is)."""
 
     data: dict
-    config: Config
+    layout: RunLayout
     excluded: str | None = None        # from both comparisons
     time_excluded: str | None = None   # from the tokens/s comparison only
+
+    @property
+    def config(self) -> Config:
+        return self.layout.config
 
     @property
     def gpus(self) -> int:
@@ -132,15 +137,24 @@ def _row(data: dict) -> Row:
         argv.append("--fuse-projections")
     if "ep=" in data["mesh"] and "--ep-dispatch" not in data["args"] and data["commit"] in ALLTOALL_BY_DEFAULT:
         argv += ["--ep-dispatch", "alltoall"]
-    config = load_config(argv)
+    layout = row_layout(argv, data["gpus"])
     reason = EXCLUDED.get(data["commit"]) or (EXCLUDED_MOE.get(data["commit"]) if data["shape"] == "mixtral-small" else None)
     if reason is None and "tp=" in data["mesh"] and data["commit"] in EAGER_TP_LOSS:
         reason = ("before 64a0ae9 the vocab-parallel loss ran outside the compiled head: fp32 log-probabilities", "both")
     time_reason = next((why for applies, why in UNTIMED if applies(data)), None)
-    mesh = MeshSpec.parse(config.parallel.mesh if config.parallel.mesh != "single" else "", data["gpus"])
-    if time_reason is None and mesh.ep > 1 and "force_load_balance=true" not in config.model.model_overrides:
+    if time_reason is None and layout.mesh.ep > 1 and "force_load_balance=true" not in layout.config.model.model_overrides:
         time_reason = UNBALANCED_EP
-    return Row(data, config, reason[0] if reason else None, time_reason)
+    return Row(data, layout, reason[0] if reason else None, time_reason)
+
+
+def row_layout(argv: list[str], gpus: int) -> RunLayout:
+    """The layout of a benchmark row's flags on `gpus` H200s: the run's own decisions, its data
+    (measured on another machine) read as synthetic tokens of the same shape."""
+    config = load_config(argv)
+    if config.parallel.mesh == "single":
+        config = attrs.evolve(config, parallel=attrs.evolve(config.parallel, mesh=""))
+    config = attrs.evolve(config, data=attrs.evolve(config.data, data="synthetic", tokenizer=None, data_cache_dir=None))
+    return resolve(config, gpus, Machine.gpu_profile("h200"))
 
 
 @attrs.frozen
@@ -163,8 +177,8 @@ def compare(path: Path) -> list[Comparison]:
     from dtrain.planner.memory import predict_peak
     from dtrain.planner.steptime import predict_step
 
-    return [Comparison(row, predict_peak(row.config, row.gpus)[0].total / 1e9,
-                       predict_step(row.config, row.gpus).tokens_per_sec_per_gpu) for row in newest_rows(path)]
+    return [Comparison(row, predict_peak(row.layout)[0].total / 1e9, predict_step(row.layout).tokens_per_sec_per_gpu)
+            for row in newest_rows(path)]
 
 
 def validation_text(path: Path) -> str:

@@ -1,7 +1,7 @@
 """The memory model: the peak of one rank's GPU memory in a training step, by category.
 
     from dtrain.planner.memory import predict
-    breakdown = predict(config, world_size=128, rank=0)
+    breakdown = predict(layout, rank=0)     # layout: dtrain.layout.resolve(config, 128, machine)
     breakdown.total                     # bytes, as torch.cuda.max_memory_allocated would see
     print("\\n".join(breakdown.lines()))
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import attrs
 
-from dtrain.config import Config
+from dtrain.layout import RunLayout
 from dtrain.planner import activations
-from dtrain.planner.activations import CUDA, DTYPE_BYTES, KernelFacts
+from dtrain.planner.activations import DTYPE_BYTES, KernelFacts
 from dtrain.planner.workload import Stage, Workload, workload
 from parallel import pipeline
 
@@ -66,29 +66,30 @@ class MemoryBreakdown:
         return [f"{self.total / GB:.1f} GB at {self.phase}{host}: " + ", ".join(parts)]
 
 
-def predict(config: Config, world_size: int, rank: int = 0, kernel: KernelFacts = CUDA) -> MemoryBreakdown:
-    """The peak GPU memory of `rank` (bytes by category) for `config` in a world of `world_size`."""
-    return predict_workload(workload(config, world_size, rank), kernel)
+def predict(layout: RunLayout, rank: int = 0, kernel: KernelFacts | None = None) -> MemoryBreakdown:
+    """The peak GPU memory of `rank` (bytes by category) of a run's layout."""
+    return predict_workload(workload(layout, rank), kernel)
 
 
-def predict_peak(config: Config, world_size: int, kernel: KernelFacts = CUDA) -> tuple[MemoryBreakdown, int]:
+def predict_peak(layout: RunLayout, kernel: KernelFacts | None = None) -> tuple[MemoryBreakdown, int]:
     """The largest prediction over the ranks, and a rank that has it: ranks differ by their
     pipeline stage (the embedding, the head, the micro-batches their schedule holds)."""
-    pp = workload(config, world_size, 0).mesh_spec.pp
-    per_stage = world_size // pp
-    ranks = [pp_rank * per_stage for pp_rank in range(pp)]
-    predictions = [(predict(config, world_size, r, kernel), r) for r in ranks]
+    per_stage = layout.world_size // layout.mesh.pp
+    ranks = [pp_rank * per_stage for pp_rank in range(layout.mesh.pp)]
+    predictions = [(predict(layout, r, kernel), r) for r in ranks]
     return max(predictions, key=lambda item: item[0].total)
 
 
-def predict_workload(work: Workload, kernel: KernelFacts = CUDA) -> MemoryBreakdown:
-    t, p = work.config.train, work.config.parallel
+def predict_workload(work: Workload, kernel: KernelFacts | None = None) -> MemoryBreakdown:
+    """`kernel`: how the attention kernel saves its tensors (default: the layout's machine's)."""
+    kernel = kernel or activations.kernel_facts(work.layout)
+    t = work.config.train
     totals = work.unit_totals()
     compute_bytes = DTYPE_BYTES[t.precision]
     state = {"parameters": 4 * totals.local, "optimizer": 8 * totals.trainable}
     sharded_grads = 4 * totals.trainable
     host = 0.0
-    if p.cpu_offload:
+    if work.layout.parallel.fsdp.cpu_offload:
         host = state["parameters"] + state["optimizer"] + sharded_grads
         state = {name: 0.0 for name in state}
         sharded_grads = 0.0
@@ -115,13 +116,14 @@ def _backward_starts(work: Workload, gathered_trainable: int, sharded_grads: flo
     shards after each reduce-scatter, or whole in fp32 where they are reduced once per step
     (pipeline schedules, --fsdp-reduce-once; a unit with one shard, which reduces once by default,
     holds as much either way)."""
-    p = work.config.parallel
+    par = work.layout.parallel
     per_stage = [_stage_bytes(work, stage, kernel) for stage in work.stages]
     pipelined = work.mesh_spec.pp > 1
-    chunks = (pipeline.chunks_in_flight(p.pp_schedule, work.mesh_spec.pp, work.pp_rank, p.pp_virtual_stages,
+    split = work.layout.pipeline
+    chunks = (pipeline.chunks_in_flight(split.schedule, work.mesh_spec.pp, work.pp_rank, split.virtual_stages,
                                         work.num_microbatches) if pipelined else [0])
     extra = 0.0
-    if work.config.train.recompute == "full" or work.config.train.recompute_layers:
+    if par.recompute == "full" or par.full_recompute:
         # The block that backward recomputes holds its activations again, on top.
         extra = max(activations.recompute_peak_bytes(work, s.blocks[-1], kernel) for s in work.stages)
 
@@ -132,7 +134,7 @@ def _backward_starts(work: Workload, gathered_trainable: int, sharded_grads: flo
     yield saved(chunks), 0.0, "the start of backward"
     if work.num_microbatches == 1:
         return
-    whole = pipelined or p.fsdp_reduce_once
+    whole = par.fsdp.reduce_once
     grads = 4 * gathered_trainable if whole else sharded_grads
     # Where every micro-batch is in flight at once (GPipe, looped BFS), a later backward starts
     # with one micro-batch fewer; in a steady 1F1B state the rank holds as many as before.

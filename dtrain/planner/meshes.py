@@ -1,7 +1,8 @@
 """The meshes the planner considers for a target: every split of the GPUs into tp (within a
 node), cp, pp with its schedule and virtual stages, dp_shard and dp_replicate, and for MoE
-models ep, which borrows its ranks from dp_shard x cp (inside a node or across nodes), each with
-the workloads of its first and last pipeline rank; or only the target's fixed mesh."""
+models ep, which borrows its ranks from dp_shard x cp (inside a node or across nodes), each
+resolved as a run of it would be (dtrain.layout.resolve: a mesh the run would refuse is no
+candidate) with the workloads of its first and last pipeline rank; or only the target's fixed mesh."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 import attrs
 
 from dtrain.config import Config, DataArgs, ModelArgs, ParallelArgs, TrainArgs
-from dtrain.layout.checks import check_mesh_split
+from dtrain.layout import RunLayout, resolve
 from dtrain.planner.candidates import Target
 from dtrain.planner.workload import Workload, workload
 from models.config import MoEConfig
@@ -27,12 +28,20 @@ REPLICAS = (2, 4, 8, 16, 32, 64, 128)
 
 @attrs.frozen
 class MeshBase:
-    """One mesh and pipeline schedule: its configuration (micro-batch and recompute still open)
-    and the workloads of its first and last pipeline rank."""
+    """One mesh and pipeline schedule, resolved with a micro-batch of 1 and no recompute (the
+    search varies those: `dtrain.layout.with_choices`), and the workloads of its first and last
+    pipeline rank."""
 
-    config: Config
+    layout: RunLayout
     works: tuple[Workload, ...]
-    spec: MeshSpec
+
+    @property
+    def config(self) -> Config:
+        return self.layout.config
+
+    @property
+    def spec(self) -> MeshSpec:
+        return self.layout.mesh
 
     @property
     def pp(self) -> int:
@@ -51,12 +60,17 @@ def divisors(n: int, limit: int | None = None) -> list[int]:
     return [k for k in range(1, (limit or n) + 1) if n % k == 0]
 
 
-def mesh_bases(target: Target) -> Iterator[MeshBase]:
+def mesh_bases(target: Target, refusals: list[UserError] | None = None) -> Iterator[MeshBase]:
+    """Each mesh's base; `refusals` collects why the meshes that a run would refuse were left out."""
     cfg = get_model_config(target.model, target.model_overrides)
-    specs = [MeshSpec.parse(target.fixed.mesh, target.gpus)] if target.fixed.mesh else _mesh_specs(target, cfg)
+    if target.fixed.mesh:
+        # The fixed mesh as a run resolves it (its errors are the user's), for its sizes.
+        specs = [resolve(_config(target, target.fixed.mesh, "1f1b", 1, False), target.gpus, target.machine).mesh]
+    else:
+        specs = _mesh_specs(target, cfg)
     for spec in specs:
         for schedule, virtual in _schedules(target, spec.pp, cfg.num_layers):
-            base = _base(target, spec, schedule, virtual, strict=target.fixed.mesh is not None)
+            base = _base(target, spec, schedule, virtual, strict=target.fixed.mesh is not None, refusals=refusals)
             if base is not None:
                 yield base
 
@@ -103,26 +117,31 @@ def mesh_text(spec: MeshSpec) -> str:
     return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "dp_shard=1"
 
 
-def _base(target: Target, spec: MeshSpec, schedule: str, virtual: int, strict: bool) -> MeshBase | None:
-    """The mesh's base, or None where the model does not split so (`strict`: the error)."""
-    config = Config(
+def _config(target: Target, mesh: str, schedule: str, virtual: int, sequence_parallel: bool) -> Config:
+    return Config(
         model=ModelArgs(target.model, target.model_overrides),
-        parallel=ParallelArgs(mesh=target.fixed.mesh or mesh_text(spec), sequence_parallel=spec.tp > 1,
-                              pp_schedule=schedule, pp_virtual_stages=virtual),
+        parallel=ParallelArgs(mesh=mesh, sequence_parallel=sequence_parallel, pp_schedule=schedule,
+                              pp_virtual_stages=virtual),
         data=DataArgs(data="synthetic", seq_len=target.seq_len, micro_batch=1, global_batch=target.global_batch),
         train=TrainArgs(compile=target.compile, fp8=target.fp8, fp8_backend=target.fp8_backend,
                         fp8_head=target.fp8_head, fp8_experts=target.fp8_experts, precision=target.precision,
                         loss_chunk_tokens=target.loss_chunk_tokens),
     )
+
+
+def _base(target: Target, spec: MeshSpec, schedule: str, virtual: int, strict: bool,
+          refusals: list[UserError] | None) -> MeshBase | None:
+    """The mesh's base, or None where a run would refuse it (`strict`: the error)."""
+    config = _config(target, target.fixed.mesh or mesh_text(spec), schedule, virtual, sequence_parallel=spec.tp > 1)
     try:
-        if strict:
-            check_mesh_split(config, target.gpus)
-        # Under pp the last stage (the head) may hold the most; else the first rank does (an
-        # uneven shard leaves the last ranks less).
-        ranks = (0, target.gpus - 1) if spec.pp > 1 else (0,)
-        works = tuple(workload(config, target.gpus, rank) for rank in ranks)
-    except UserError:
+        layout = resolve(config, target.gpus, target.machine)
+    except UserError as refusal:
         if strict:
             raise
+        if refusals is not None:
+            refusals.append(refusal)
         return None
-    return MeshBase(config, works, spec)
+    # Under pp the last stage (the head) may hold the most; else the first rank does (an uneven
+    # shard leaves the last ranks less).
+    ranks = (0, target.gpus - 1) if spec.pp > 1 else (0,)
+    return MeshBase(layout, tuple(workload(layout, rank) for rank in ranks))

@@ -23,12 +23,11 @@ import math
 
 import attrs
 
-from dtrain.config import Config
+from dtrain.layout import RunLayout, with_choices
 from dtrain.planner import memory, steptime
 from dtrain.planner.candidates import Candidate, Fixed, Target
 from dtrain.planner.hardware import GIGA, Hardware
 from dtrain.planner.meshes import MeshBase, mesh_bases
-from dtrain.planner.workload import Workload, fsdp_as_run
 from models.errors import UserError
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -38,35 +37,40 @@ RECOMPUTE = (("none", 0.0), ("selective", 0.0), ("none", 0.5), ("selective", 0.5
 
 def search(target: Target) -> list[Candidate]:
     """The candidates that fit, fastest first; for a fixed mesh that fits in no way, its
-    least-memory variant alone, marked `fits=False`."""
+    least-memory variant alone, marked `fits=False`. Where a run would refuse every mesh, the
+    first mesh's refusal is raised (it names the option at fault)."""
     hw = target.hardware
-    found, nearest = [], None
-    for base in mesh_bases(target):
+    found, nearest, refusals, resolved = [], None, [], False
+    for base in mesh_bases(target, refusals):
+        resolved = True
         fitting, closest = _variants(target, base, hw)
         found += fitting
         if closest is not None and (nearest is None or closest[1].total < nearest[1].total):
             nearest = closest
+    if not resolved and refusals:
+        raise refusals[0]
     if not found and target.fixed.mesh is not None:
         if nearest is None:
             raise UserError(f"--mesh {target.fixed.mesh} with --global-batch {target.global_batch}: no micro-batch "
                             f"(of {', '.join(map(str, MICRO_BATCHES))}, or the one given) gives each data-parallel rank "
                             f"whole micro-batches, and under pp at least pp of them (a multiple of pp when "
                             f"interleaved); change --global-batch or --micro-batch")
-        config, peak, base = nearest
-        return [Candidate(config, peak, _step(base, config, hw), target.gpus, target.gpus_per_node, target.gpu, False)]
+        layout, peak, base = nearest
+        return [Candidate(layout, peak, _step(base, layout, hw), target.gpus, target.gpus_per_node, target.gpu, False)]
     return sorted(found, key=lambda c: (-c.tokens_per_sec_per_gpu, c.memory.total))
 
 
-def _step(base: MeshBase, config: Config, hw: Hardware) -> steptime.StepTime:
-    return max((steptime.predict_workload(_derive(w, config), hw) for w in base.works), key=lambda s: s.seconds)
+def _step(base: MeshBase, layout: RunLayout, hw: Hardware) -> steptime.StepTime:
+    return max((steptime.predict_workload(w.with_layout(layout), hw) for w in base.works), key=lambda s: s.seconds)
 
 
 def _variants(target: Target, base: MeshBase, hw: Hardware) -> tuple[list[Candidate], tuple | None]:
     """For each data-parallel mode and micro-batch of a mesh, the first recompute choice that
     fits (the ones after it only recompute more); CPU offload only where nothing fits without it.
-    A micro-batch that fits in no way ends the larger ones. Memory is predicted first, the first
-    pipeline rank before the last: most variants of a large model do not fit, and are not timed.
-    Also the least-memory variant tried, (config, peak, base), for a fixed mesh that fits nowhere."""
+    A micro-batch that fits in no way ends the larger ones; one a run would refuse is left out.
+    Memory is predicted first, the first pipeline rank before the last: most variants of a large
+    model do not fit, and are not timed. Also the least-memory variant tried, (layout, peak,
+    base), for a fixed mesh that fits nowhere."""
     budget, host_budget = hw.gpu_memory_bytes, hw.host_bytes_per_gpu
     fixed, nearest = target.fixed, None
     for offload in (False, True):
@@ -74,28 +78,34 @@ def _variants(target: Target, base: MeshBase, hw: Hardware) -> tuple[list[Candid
             continue
         found = []
         for dp_mode, reshard in _data_parallel_modes(target, base, offload):
-            for micro_batch in _micro_batches(target, base):
-                fits = None
+            for micro_batch in _micro_batches(target):
+                fits, tried = None, False
                 for mode, layers in _recompute_choices(target, base):
-                    config = _variant(base.config, micro_batch, reshard, mode, layers, offload, dp_mode)
+                    try:
+                        layout = with_choices(base.layout, micro_batch=micro_batch, recompute=mode,
+                                              recompute_layers=layers, dp_mode=dp_mode,
+                                              fsdp_reshard_after_forward=reshard, cpu_offload=offload)
+                    except UserError:
+                        continue  # a run would refuse it
+                    tried = True
                     peaks = []
                     for work in base.works:
-                        peaks.append(memory.predict_workload(_derive(work, config)))
+                        peaks.append(memory.predict_workload(work.with_layout(layout)))
                         # A fixed mesh's peaks are all wanted: the nearest, if nothing fits.
                         if fixed.mesh is None and (peaks[-1].total > budget or peaks[-1].host > host_budget):
                             break
                     peak = max(peaks, key=lambda b: b.total)
                     if peak.total <= budget and max(b.host for b in peaks) <= host_budget and len(peaks) == len(base.works):
-                        fits = config, peak
+                        fits = layout, peak
                         break
                     if fixed.mesh is not None and (nearest is None or peak.total < nearest[1].total):
-                        nearest = config, peak, base
+                        nearest = layout, peak, base
                 if fits is None:
-                    if fixed.mesh is None:
+                    if fixed.mesh is None and tried:
                         break
                     continue
-                config, peak = fits
-                found.append(Candidate(config, peak, _step(base, config, hw), target.gpus, target.gpus_per_node,
+                layout, peak = fits
+                found.append(Candidate(layout, peak, _step(base, layout, hw), target.gpus, target.gpus_per_node,
                                        target.gpu))
         if found:
             return found, None
@@ -116,23 +126,10 @@ def _data_parallel_modes(target: Target, base: MeshBase, offload: bool) -> list[
     return [(mode, reshard) for mode, reshard in modes if not (mode == "zero1" and offload)]
 
 
-def _derive(work: Workload, config: Config) -> Workload:
-    """The workload of a mesh under another micro-batch, recompute or offload choice."""
-    d, config = config.data, fsdp_as_run(config)
-    return attrs.evolve(work, config=config, tokens=d.micro_batch * d.seq_len // work.mesh_spec.cp,
-                        num_microbatches=d.global_batch // (d.micro_batch * work.mesh_spec.dp_size))
-
-
-def _micro_batches(target: Target, base: MeshBase):
-    """Micro-batches the global batch and the pipeline schedule allow, smallest first."""
-    pp, dp, virtual = base.pp, base.dp, base.config.parallel.pp_virtual_stages
-    for micro_batch in MICRO_BATCHES if target.fixed.micro_batch is None else (target.fixed.micro_batch,):
-        if target.global_batch % (micro_batch * dp):
-            continue
-        micro_batches = target.global_batch // (micro_batch * dp)
-        if pp > 1 and (micro_batches < pp or (virtual > 1 and micro_batches % pp)):
-            continue
-        yield micro_batch
+def _micro_batches(target: Target) -> tuple[int, ...]:
+    """Micro-batches to try, smallest first (those the global batch or the pipeline schedule does
+    not take, a run refuses)."""
+    return MICRO_BATCHES if target.fixed.micro_batch is None else (target.fixed.micro_batch,)
 
 
 def _recompute_choices(target: Target, base: MeshBase) -> list[tuple[str, int]]:
@@ -147,26 +144,18 @@ def _recompute_choices(target: Target, base: MeshBase) -> list[tuple[str, int]]:
     return [(mode, layers) for mode, layers in dict.fromkeys(choices) if fixed.allows("recompute", mode)]
 
 
-def _variant(config: Config, micro_batch: int, reshard: str, mode: str, layers: int, offload: bool,
-             dp_mode: str) -> Config:
-    return attrs.evolve(config, data=attrs.evolve(config.data, micro_batch=micro_batch),
-                        train=attrs.evolve(config.train, recompute=mode, recompute_layers=layers),
-                        parallel=attrs.evolve(config.parallel, fsdp_reshard_after_forward=reshard, cpu_offload=offload,
-                                              dp_mode=dp_mode))
-
-
 def minimum_memory(target: Target) -> dict[bool, float]:
     """The smallest predicted peak over every layout, without and with CPU offload (where host
     memory holds what it moves): one sample per micro-batch, full recompute."""
     lowest = {False: math.inf, True: math.inf}
     host_budget = target.hardware.host_bytes_per_gpu
     for base in mesh_bases(target):
-        if target.global_batch % base.dp or (base.pp > 1 and target.global_batch // base.dp < base.pp):
-            continue
-        config = attrs.evolve(base.config, train=attrs.evolve(base.config.train, recompute="full"))
         for offload in (False, True):
-            config = attrs.evolve(config, parallel=attrs.evolve(config.parallel, cpu_offload=offload))
-            peaks = [memory.predict_workload(_derive(w, config)) for w in base.works]
+            try:
+                layout = with_choices(base.layout, recompute="full", cpu_offload=offload)
+            except UserError:
+                continue  # a run would refuse it
+            peaks = [memory.predict_workload(w.with_layout(layout)) for w in base.works]
             if max(b.host for b in peaks) <= host_budget:
                 lowest[offload] = min(lowest[offload], max(b.total for b in peaks))
     return lowest

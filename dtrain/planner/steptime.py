@@ -1,7 +1,7 @@
 """The step-time model: seconds per optimizer step, tokens/s per GPU and MFU of a configuration.
 
     from dtrain.planner.steptime import predict_step
-    step = predict_step(config, world_size=1024)       # hardware: H200 unless given
+    step = predict_step(layout)        # layout: dtrain.layout.resolve(config, 1024, machine); H200 unless given
     step.seconds, step.tokens_per_sec_per_gpu, step.mfu
 
 Per micro-batch and block on a rank: the GEMMs of its weights (their shapes after the plan's
@@ -14,7 +14,7 @@ overlap. A pipeline adds its schedule's bubble; the optimizer step reads and wri
 fp32 state once (FSDP's and the optimizer's share: fsdp_time.py). A model's multi-token
 prediction layer runs on the last stage: its modules' blocks, and the head once more for each.
 
-`ceiling(config, world_size)` is the same step with only its GEMMs and attention: the bound that
+`ceiling(layout)` is the same step with only its GEMMs and attention: the bound that
 `python -m tools.bench --profile` sets each measured step's breakdown beside.
 """
 
@@ -25,7 +25,7 @@ import math
 
 import attrs
 
-from dtrain.config import Config
+from dtrain.layout import RunLayout
 from dtrain.planner import activations
 from dtrain.planner.activations import DTYPE_BYTES
 from dtrain.planner.fsdp_time import fsdp_exposed_seconds, optimizer_seconds
@@ -149,22 +149,20 @@ class Ceiling(_Throughput):
                 "mfu_pct": round(100 * self.mfu(), 2)}
 
 
-def predict_step(config: Config, world_size: int, hardware: Hardware = H200) -> StepTime:
-    """The step time of `config` in a world of `world_size` ranks on `hardware`."""
-    return max((predict_workload(w, hardware) for w in _slowest_candidates(config, world_size)),
-               key=lambda s: s.seconds)
+def predict_step(layout: RunLayout, hardware: Hardware = H200) -> StepTime:
+    """The step time of a run's layout on `hardware`."""
+    return max((predict_workload(w, hardware) for w in _slowest_candidates(layout)), key=lambda s: s.seconds)
 
 
-def ceiling(config: Config, world_size: int, hardware: Hardware = H200) -> Ceiling:
-    """The step of `config` if only GEMMs and attention took time (see Ceiling)."""
-    return max((_workload_ceiling(w, hardware) for w in _slowest_candidates(config, world_size)),
-               key=lambda c: c.seconds)
+def ceiling(layout: RunLayout, hardware: Hardware = H200) -> Ceiling:
+    """The step of a run's layout if only GEMMs and attention took time (see Ceiling)."""
+    return max((_workload_ceiling(w, hardware) for w in _slowest_candidates(layout)), key=lambda c: c.seconds)
 
 
-def _slowest_candidates(config: Config, world_size: int) -> list[Workload]:
+def _slowest_candidates(layout: RunLayout) -> list[Workload]:
     """The ranks one of which is the slowest: the first, and under pp the last stage's (the head)."""
-    first = workload(config, world_size, 0)
-    return [first] if first.mesh_spec.pp == 1 else [first, workload(config, world_size, world_size - 1)]
+    first = workload(layout, 0)
+    return [first] if layout.mesh.pp == 1 else [first, workload(layout, layout.world_size - 1)]
 
 
 def _workload_ceiling(work: Workload, hw: Hardware) -> Ceiling:
@@ -175,9 +173,9 @@ def _workload_ceiling(work: Workload, hw: Hardware) -> Ceiling:
             attention += count * MATMULS_RUN[mode] * _attention_seconds(work, hw) * work.repeats(block)
         if stage.last:
             gemm += _head_gemm_seconds(work, hw)[0] * (1 + work.mtp_depth)
-    m, p = work.num_microbatches, work.config.parallel
+    m, split = work.num_microbatches, work.layout.pipeline
     gemm, attention = m * gemm, m * attention
-    bubble_share = pipeline.bubble_fraction(p.pp_schedule, work.mesh_spec.pp, p.pp_virtual_stages, m)
+    bubble_share = pipeline.bubble_fraction(split.schedule, work.mesh_spec.pp, split.virtual_stages, m)
     d = work.config.data
     return Ceiling(gemm=gemm, attention=attention, bubble=(gemm + attention) * bubble_share / (1 - bubble_share),
                    tokens=d.global_batch * d.seq_len, world_size=work.mesh_spec.world_size,
@@ -185,17 +183,17 @@ def _workload_ceiling(work: Workload, hw: Hardware) -> Ceiling:
 
 
 def predict_workload(work: Workload, hardware: Hardware = H200) -> StepTime:
-    d, p = work.config.data, work.config.parallel
+    d, split = work.config.data, work.layout.pipeline
     m = work.num_microbatches
     per_micro_batch = [_stage_seconds(work, stage, hardware) for stage in work.stages]
     compute = m * (sum(c for c, _ in per_micro_batch) + len(work.stages) * hardware.micro_batch_overhead_s)
-    if work.mesh_spec.pp > 1 and p.pp_schedule in ("gpipe", "looped-bfs"):
+    if work.mesh_spec.pp > 1 and split.schedule in ("gpipe", "looped-bfs"):
         compute *= 1 + hardware.breadth_first_slowdown
     waits: dict[str, float] = {}
     for _, stage_waits in per_micro_batch:
         for dim, seconds in stage_waits.items():
             waits[dim] = waits.get(dim, 0.0) + m * seconds
-    bubble_share = pipeline.bubble_fraction(p.pp_schedule, work.mesh_spec.pp, p.pp_virtual_stages, m)
+    bubble_share = pipeline.bubble_fraction(split.schedule, work.mesh_spec.pp, split.virtual_stages, m)
     bubble = (compute + sum(waits.values())) * bubble_share / (1 - bubble_share)
     optimizer, offload = optimizer_seconds(work, hardware)
     return StepTime(

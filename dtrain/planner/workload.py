@@ -1,7 +1,8 @@
-"""What one rank holds and computes in one training step, read from the sharding plan and the
-pipeline split rather than from a formula per model family:
+"""What one rank holds and computes in one training step, read from the run's layout (the
+sharding plan, the pipeline split, and its decisions per FSDP unit, block and kernel) rather than
+from a formula per model family or a rule of its own:
 
-    work = workload(config, world_size=128, rank=0)
+    work = workload(resolve(config, 128, Machine.gpu_profile("h200")), rank=0)
     work.stages            # this rank's pipeline stages and their blocks
     work.block_units(3)    # the FSDP units of block 3: elements kept (shards) and gathered
     work.tokens            # tokens of one micro-batch on this rank (after the cp split)
@@ -19,14 +20,12 @@ import math
 import attrs
 
 from dtrain.config import Config
-from dtrain.layout.checks import with_global_batch
+from dtrain.layout import RunLayout
 from models import families, flops, mixtral, spec
 from models.config import MoEConfig
-from models.presets import get_model_config
-from parallel import data_parallel, pipeline, precision
-from parallel.expert_parallel import choose_dispatch
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
+from parallel.precision import is_fp8_matmul_weight
 
 
 @attrs.frozen
@@ -76,15 +75,9 @@ class Stage:
 
 @attrs.frozen
 class Workload:
-    config: Config
-    model_cfg: families.ModelConfig
-    mesh_spec: MeshSpec
-    plan: Plan
+    layout: RunLayout
     pp_rank: int
     stages: tuple[Stage, ...]           # this rank's, in the order it holds them
-    counts: tuple[int, ...]             # blocks per stage, every stage
-    num_microbatches: int               # per step on this rank
-    tokens: int                         # of one micro-batch on this rank
     # Per global block: "dense" or "moe"; then, where the model has multi-token prediction, its
     # layer (all its modules) as one more block of kind "mtp-dense" or "mtp-moe".
     block_kinds: tuple[str, ...]
@@ -93,12 +86,54 @@ class Workload:
     weights_by_kind: dict[str, tuple[tuple[tuple[int, ...], bool, tuple[str, ...]], ...]]
     embed: Unit
     head: Unit
-    fp8_blocks: frozenset[int]
-    float8_all_gather: bool             # FSDP gathers the FP8 blocks' matmul weights in float8
-    ep_dispatch: str | None
-    # Results that depend on the mesh and a few options only, shared by the workloads a search
-    # derives from this one (attrs.evolve keeps the same dict).
+    fp8_blocks: frozenset[int]          # the blocks whose matmuls run in FP8
+    # Results that depend on the mesh and a few choices only, shared by the workloads a search
+    # derives from this one (`with_layout` keeps the same dict).
     memo: dict = attrs.field(factory=dict, eq=False, repr=False)
+
+    @property
+    def config(self) -> Config:
+        return self.layout.config
+
+    @property
+    def model_cfg(self) -> families.ModelConfig:
+        return self.layout.model_cfg
+
+    @property
+    def mesh_spec(self) -> MeshSpec:
+        return self.layout.mesh
+
+    @property
+    def plan(self) -> Plan:
+        return self.layout.plan
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Blocks per stage, every stage."""
+        return self.layout.pipeline.blocks_per_stage
+
+    @property
+    def num_microbatches(self) -> int:
+        """Per step on this rank."""
+        return self.layout.num_microbatches
+
+    @property
+    def tokens(self) -> int:
+        """Of one micro-batch on this rank."""
+        return self.layout.tokens_per_micro_batch
+
+    @property
+    def float8_all_gather(self) -> bool:
+        """FSDP gathers the FP8 blocks' matmul weights in float8."""
+        return self.layout.parallel.fp8 is not None and self.layout.parallel.fp8.all_gather
+
+    @property
+    def ep_dispatch(self) -> str | None:
+        return self.layout.parallel.ep_dispatch
+
+    def with_layout(self, layout: RunLayout) -> Workload:
+        """This rank's workload under another variant of the same mesh (`dtrain.layout.with_choices`)."""
+        return attrs.evolve(self, layout=layout)
 
     @property
     def mtp_depth(self) -> int:
@@ -115,40 +150,31 @@ class Workload:
     def is_moe(self, block: int) -> bool:
         return self.block_kinds[block].endswith("moe")
 
+    def layer_name(self, block: int) -> str:
+        return "mtp" if self.is_mtp(block) else f"blocks.{block}"
+
     def reduces_once(self, unit: Unit) -> bool:
         """Whether `unit` sums its gradients whole over the step's micro-batches and reduces them
-        after the last: under pipelining, with --fsdp-reduce-once, or by default (one shard)."""
-        p = self.config.parallel
-        return (self.mesh_spec.pp > 1 or p.fsdp_reduce_once
-                or data_parallel.reduces_once_by_default(unit.shards, p.cpu_offload))
+        after the last (the layout's decision per unit)."""
+        return self.layout.parallel.fsdp.reduces_once(unit.shards)
 
-    @property
-    def tp_tokens(self) -> int:
-        """Tokens of one micro-batch in the residual stream of a tp rank (split under SP)."""
-        return self.tokens // self.mesh_spec.tp if self.plan.sequence_parallel else self.tokens
+    def block_units(self, block: int) -> tuple[Unit, ...]:
+        """The FSDP units of a block: the block, freed after forward where the layout says so, and
+        its routed experts where ep splits them (never freed after forward)."""
+        kind = self.block_kinds[block]
+        if self.layer_name(block) not in self.layout.parallel.fsdp.resharded:
+            return self.units_by_kind[kind]
+        key = ("resharded", kind)
+        if key not in self.memo:
+            units = self.units_by_kind[kind]
+            self.memo[key] = (attrs.evolve(units[0], resharded=True), *units[1:])
+        return self.memo[key]
 
-    def block_units(self, block: int, stage: Stage | None = None) -> tuple[Unit, ...]:
-        """The FSDP units of a block: the block, and its routed experts where ep splits them
-        (never resharded: data_parallel._shard_experts). Which blocks are resharded follows
-        data_parallel.blocks_to_reshard: under the default, all but the last of each model part
-        (and never the MTP layer, which runs last)."""
-        units = self.units_by_kind[self.block_kinds[block]]
-        mode = self.config.parallel.fsdp_reshard_after_forward
-        resharded = units[0].shards > 1 and (mode == "always" or (mode == "default" and self.mesh_spec.pp == 1))
-        if resharded and mode == "default" and (self.is_mtp(block) or stage is not None and block == max(
-                b for b in stage.blocks if not self.is_mtp(b))):
-            resharded = False
-        return (attrs.evolve(units[0], resharded=True), *units[1:]) if resharded else units
-
-    def stage_units(self, stage: Stage) -> list[Unit]:
-        units = [u for block in stage.blocks for u in self.block_units(block, stage)]
-        return units + self._ends(stage, units)
-
-    def _ends(self, stage: Stage, block_units: list[Unit]) -> list[Unit]:
-        """The embedding (freed after forward when any block is) and the head, where the stage has them."""
+    def _ends(self, stage: Stage) -> list[Unit]:
+        """The embedding and the head, where the stage has them."""
         ends = []
         if stage.first and not self.model_cfg.tie_embeddings:
-            ends.append(attrs.evolve(self.embed, resharded=any(u.resharded for u in block_units)))
+            ends.append(attrs.evolve(self.embed, resharded="embed" in self.layout.parallel.fsdp.resharded))
         if stage.last:
             ends.append(self.head)
         return ends
@@ -156,97 +182,73 @@ class Workload:
     def units_and_float8(self) -> list[tuple[Unit, bool]]:
         """Every FSDP unit of the rank, and whether FSDP gathers its matmul weights in float8 (a
         block's own unit in an FP8 block, where float8 gathering applies)."""
-        key = ("units", self.config.parallel.fsdp_reshard_after_forward)
+        key = ("units", self.layout.parallel.fsdp.resharded)
         if key not in self.memo:
             pairs = []
             for stage in self.stages:
-                block_pairs = []
                 for block in stage.blocks:
                     float8 = self.float8_all_gather and block in self.fp8_blocks
-                    block_pairs += [(u, float8 and i == 0) for i, u in enumerate(self.block_units(block, stage))]
-                pairs += block_pairs + [(u, False) for u in self._ends(stage, [u for u, _ in block_pairs])]
+                    pairs += [(u, float8 and i == 0) for i, u in enumerate(self.block_units(block))]
+                pairs += [(u, False) for u in self._ends(stage)]
             self.memo[key] = pairs
         return self.memo[key]
 
     def unit_totals(self) -> UnitTotals:
-        p, t = self.config.parallel, self.config.train
-        key = ("totals", p.fsdp_reshard_after_forward, t.precision)
+        key = ("totals", self.layout.parallel.fsdp.resharded, self.layout.parallel.precision)
         if key not in self.memo:
-            self.memo[key] = _totals(self.units_and_float8(), 4 if t.precision == "fp32" else 2)
+            self.memo[key] = _totals(self.units_and_float8(), 4 if self.layout.parallel.precision == "fp32" else 2)
         return self.memo[key]
 
     def all_units(self) -> list[Unit]:
         return [u for u, _ in self.units_and_float8()]
 
     def block_mix(self, stage: Stage) -> list[tuple[int, str, int]]:
-        """(a block, its recompute mode, how many blocks of the stage are like it): the first
-        --recompute-layers blocks recompute in full, the others follow --recompute; blocks of one
+        """(a block, its recompute mode, how many blocks of the stage are like it): blocks of one
         kind and precision under one mode save and cost the same."""
-        t = self.config.train
-        key = ("mix", stage.index, t.recompute, t.recompute_layers)
+        par = self.layout.parallel
+        key = ("mix", stage.index, par.recompute, par.full_recompute)
         if key not in self.memo:
             mix: dict[tuple, list] = {}
-            for i, block in enumerate(stage.blocks):
-                mode = "full" if i < t.recompute_layers else t.recompute
+            for block in stage.blocks:
+                mode = par.recompute_of(self.layer_name(block))
                 entry = mix.setdefault((self.block_kinds[block], block in self.fp8_blocks, mode), [block, mode, 0])
                 entry[2] += 1
             self.memo[key] = [tuple(entry) for entry in mix.values()]
         return self.memo[key]
 
 
-def workload(config: Config, world_size: int, rank: int = 0, device_type: str = "cuda") -> Workload:
-    """The share of `rank` in a world of `world_size` ranks; `config` as the run would resolve it
-    (an unset --global-batch means one micro-batch per data-parallel rank)."""
-    config = fsdp_as_run(with_global_batch(config, world_size))
-    model_cfg = get_model_config(config.model.model, config.model.model_overrides)
-    mesh_spec = MeshSpec.parse(config.parallel.mesh, world_size)
-    return _workload(config, model_cfg, mesh_spec, rank, device_type)
-
-
-def fsdp_as_run(config: Config) -> Config:
-    """`config` with the resharding and reduce-once that its --dp-mode runs (the models read those)."""
-    p = config.parallel
-    reshard, once = data_parallel.fsdp_settings(p.dp_mode, p.fsdp_reshard_after_forward, p.fsdp_reduce_once)
-    if (reshard, once) == (p.fsdp_reshard_after_forward, p.fsdp_reduce_once):
-        return config
-    return attrs.evolve(config, parallel=attrs.evolve(p, fsdp_reshard_after_forward=reshard, fsdp_reduce_once=once))
-
-
-def _workload(config: Config, model_cfg, mesh_spec: MeshSpec, rank: int, device_type: str) -> Workload:
-    p, d, t = config.parallel, config.data, config.train
-    plan, kinds, units_by_kind, weights_by_kind, embed, head = _tables(
-        model_cfg, mesh_spec.tp, mesh_spec.ep, mesh_spec.dp_shard, mesh_spec.cp, p.sequence_parallel)
-    num_stages = mesh_spec.pp * p.pp_virtual_stages
-    counts = tuple(_block_counts(model_cfg, num_stages, p.pp_layout) if mesh_spec.pp > 1 else (model_cfg.num_layers,))
+def workload(layout: RunLayout, rank: int = 0) -> Workload:
+    """The share of `rank` of a run's layout."""
+    mesh_spec, model_cfg, split = layout.mesh, layout.model_cfg, layout.pipeline
+    kinds, units_by_kind, weights_by_kind, embed, head = _tables(layout.plan, model_cfg)
+    counts = split.blocks_per_stage
     pp_rank = rank // (mesh_spec.world_size // mesh_spec.pp)
-    ids = pipeline.stage_ids(pp_rank, mesh_spec.pp, p.pp_virtual_stages, p.pp_schedule) if mesh_spec.pp > 1 else [0]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     mtp = tuple(range(model_cfg.num_layers, len(kinds)))  # the MTP layer rides with the last stage
     stages = tuple(Stage(i, tuple(range(starts[i], starts[i] + counts[i])) + (mtp if i == len(counts) - 1 else ()),
-                         i == 0, i == len(counts) - 1) for i in ids)
-    fsdp_ranks = mesh_spec.dp_shard * mesh_spec.cp
-    is_moe = isinstance(model_cfg, MoEConfig)
-    fp8 = t.fp8 is not None
-    return Workload(
-        config=config, model_cfg=model_cfg, mesh_spec=mesh_spec, plan=plan, pp_rank=pp_rank, stages=stages,
-        counts=counts, num_microbatches=d.global_batch // (d.micro_batch * mesh_spec.dp_size),
-        tokens=d.micro_batch * d.seq_len // mesh_spec.cp, block_kinds=kinds, units_by_kind=units_by_kind,
-        weights_by_kind=weights_by_kind, embed=embed, head=head,
-        fp8_blocks=frozenset(int(name.split(".")[1]) for name in precision.fp8_blocks(model_cfg.num_layers,
-                                                                                         t.fp8_keep_ends)) if fp8 else frozenset(),
-        float8_all_gather=(fp8 and t.fp8 == "tensorwise" and t.fp8_all_gather and mesh_spec.tp == 1
-                           and fsdp_ranks > 1 and device_type in precision.FLOAT8_COLLECTIVE_DEVICES),
-        ep_dispatch=(choose_dispatch(p.ep_dispatch, mesh_spec.ep, model_cfg.top_k, model_cfg.capacity_factor is None)
-                     if is_moe and mesh_spec.ep > 1 else None),
-    )
+                         i == 0, i == len(counts) - 1) for i in split.stage_ids(pp_rank))
+    return Workload(layout=layout, pp_rank=pp_rank, stages=stages, block_kinds=kinds, units_by_kind=units_by_kind,
+                    weights_by_kind=weights_by_kind, embed=embed, head=head,
+                    fp8_blocks=_block_indices(layout.parallel.fp8_layers))
+
+
+@functools.lru_cache(maxsize=256)
+def _block_indices(names: frozenset[str]) -> frozenset[int]:
+    return frozenset(int(name.split(".")[1]) for name in names if name.startswith("blocks."))
+
+
+def _tables(plan: Plan, model_cfg):
+    spec_ = plan.mesh_spec
+    return _unit_tables(model_cfg, spec_.tp, spec_.ep, spec_.dp_shard, spec_.cp,
+                        tuple((axis, mapped) for axis, mapped in plan.param_rules.items()))
 
 
 @functools.lru_cache(maxsize=1024)
-def _tables(model_cfg, tp: int, ep: int, dp_shard: int, cp: int, sequence_parallel: bool):
-    """The plan and every FSDP unit's element counts for the sizes that shape them (pp and
-    dp_replicate do not): computed once per model and split, however many searches ask."""
+def _unit_tables(model_cfg, tp: int, ep: int, dp_shard: int, cp: int, param_rules: tuple):
+    """Every FSDP unit's element counts under a plan's parameter rules, for the sizes that shape
+    them (pp and dp_replicate do not): computed once per model and split, however many searches ask."""
     mesh_spec = MeshSpec(dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
-    plan = Plan.build(mesh_spec, sequence_parallel=sequence_parallel, num_kv_heads=model_cfg.num_kv_heads)
+    plan = Plan(mesh_spec).with_rules(params=dict(param_rules))
     layers = _layers(model_cfg)
     kinds = tuple("moe" if isinstance(model_cfg, MoEConfig) and model_cfg.is_moe_layer(i) else "dense"
                   for i in range(model_cfg.num_layers))
@@ -261,18 +263,13 @@ def _tables(model_cfg, tp: int, ep: int, dp_shard: int, cp: int, sequence_parall
         units_by_kind[kind] = _block_units(layer, plan, mesh_spec)
         weights_by_kind[kind] = tuple((plan.gathered_shape(param.shape, param.axes), mixtral.is_expert_weight(param),
                                        param.axes) for _, param in spec.flatten(layer.params) if spec.is_matmul_weight(param))
-    return (plan, kinds, units_by_kind, weights_by_kind, _unit(layers[0].params, plan, mesh_spec),
+    return (kinds, units_by_kind, weights_by_kind, _unit(layers[0].params, plan, mesh_spec),
             _unit(layers[-1].params, plan, mesh_spec))
 
 
 @functools.lru_cache(maxsize=64)
 def _layers(model_cfg) -> list[spec.Layer]:
     return families.layers(model_cfg)
-
-
-@functools.lru_cache(maxsize=256)
-def _block_counts(model_cfg, num_stages: int, layout: str) -> list[int]:
-    return pipeline.block_counts(_layers(model_cfg), num_stages, layout or None, flops.expert_share(model_cfg))
 
 
 def _block_units(layer: spec.Layer, plan: Plan, mesh_spec: MeshSpec) -> tuple[Unit, ...]:
@@ -299,7 +296,7 @@ def _unit(params: dict, plan: Plan, mesh_spec: MeshSpec) -> Unit:
         if param.trainable:
             trainable += size[0]
             gathered_trainable += size[1]
-        if precision.is_fp8_matmul_weight(param.axes):
+        if is_fp8_matmul_weight(param.axes):
             matmul += size[1]
         shards = max(shards, plan.fsdp_shards(param.axes))
     return Unit(local, trainable, gathered, gathered_trainable, matmul, shards)

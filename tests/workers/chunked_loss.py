@@ -10,19 +10,16 @@ import sys
 
 import torch
 
-from dtrain.config import load_config
 from dtrain.run import main
-from models.presets import get_model_config
 from models import linear_cross_entropy
 from parallel.context import ParallelContext
-from parallel.mesh import MeshSpec
+from tests.layouts import resolved
 
 torch._dynamo.config.recompile_limit = 2
 torch._dynamo.config.fail_on_recompile_limit_hit = True
 
-config = load_config(sys.argv[1:])
-vocab = get_model_config(config.model.model, config.model.model_overrides).vocab_size
-tp = MeshSpec.parse(config.parallel.mesh, int(os.environ["WORLD_SIZE"])).tp
+layout = resolved(sys.argv[1:], int(os.environ["WORLD_SIZE"]))
+config, vocab, tp = layout.config, layout.model_cfg.vocab_size, layout.mesh.tp
 tokens = config.data.micro_batch * config.data.seq_len
 seen: list[tuple[int, int, int]] = []  # (rows of h, rows of the weight, chunk tokens)
 chunked = linear_cross_entropy.chunked_loss_and_gradients

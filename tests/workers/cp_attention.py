@@ -92,7 +92,8 @@ def _check_case(case: Case, seed, method, group, cp, rank, device="cpu", dtype=t
         document_ids, window, chunk = masked
         global_mask = masked_attention.build_mask(
             document_ids, window, sites,
-            lambda whole_row: masked_attention.choose_kernel("auto", torch.device(device), dtype, whole_row, window),
+            lambda whole_row: masked_attention.choose_kernel("auto", torch.device(device).type, dtype, whole_row,
+                                                                  window is not None),
             torch.device(device), chunk=chunk)
     reference = causal_attention(*full, reference_mask, case.scale, full_sinks)
     reference.backward(grad.float())
