@@ -206,10 +206,6 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _parse_bool(text: str) -> bool:
-    return text.lower() in ("1", "true", "yes", "on")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dtrain.run",

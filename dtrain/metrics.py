@@ -10,6 +10,9 @@ from pathlib import Path
 
 import torch
 
+from models.moe import RouterStats
+from models.mtp import MTPStats
+
 logger = logging.getLogger("dtrain")
 
 # Dense BF16 peak FLOP/s per GPU from the datasheets (never the sparsity figures), matched by name.
@@ -33,6 +36,39 @@ def peak_flops_of(device_name: str) -> float | None:
         if key in device_name:
             return flops
     return None
+
+
+def router_scalars(stats: RouterStats) -> dict[str, float]:
+    """A step's MoE router statistics as logged: mean router losses, dropped fraction and load
+    imbalance (max / mean expert load: 1 is perfect balance, num_experts / top_k is everything on
+    top_k experts), overall and per layer."""
+    if not stats.load:
+        return {}
+    totals = torch.stack(list(stats.totals.values())).cpu()
+    load = torch.stack(list(stats.load.values())).cpu()
+    imbalance = load.max(-1).values / load.mean(-1).clamp_min(1e-20)
+    records = totals[:, 4].clamp_min(1)
+    out = {
+        "moe/aux_loss": (totals[:, 2] / records).mean().item(),
+        "moe/z_loss": (totals[:, 3] / records).mean().item(),
+        "moe/dropped_fraction": (totals[:, 1].sum() / totals[:, 0].sum().clamp_min(1)).item(),
+        "moe/imbalance_max": imbalance.max().item(),
+        "moe/imbalance_mean": imbalance.mean().item(),
+    }
+    out.update({f"moe/imbalance/layer_{layer}": v.item() for layer, v in zip(stats.load, imbalance)})
+    return out
+
+
+def mtp_scalars(stats: MTPStats) -> dict[str, float]:
+    """`train/mtp_loss`: the mean cross-entropy per label of multi-token prediction, averaged over
+    the depths; and each depth's own (`train/mtp_loss/depth_k`, k from 1) when there are several."""
+    if not stats.totals:
+        return {}
+    per_depth = {k: (t[0] / t[1].clamp_min(1)).item() for k, t in sorted(stats.totals.items())}
+    out = {"train/mtp_loss": sum(per_depth.values()) / len(per_depth)}
+    if len(per_depth) > 1:
+        out.update({f"train/mtp_loss/depth_{k + 1}": v for k, v in per_depth.items()})
+    return out
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -18,7 +18,7 @@ from dtrain.config import to_toml
 from dtrain.data import TokenDataset
 from dtrain.distributed import Runtime
 from dtrain.layout import RunLayout
-from dtrain.metrics import MetricsLogger, peak_flops, peak_memory_gb
+from dtrain.metrics import MetricsLogger, mtp_scalars, peak_flops, peak_memory_gb, router_scalars
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.layout.host_memory import check_host_memory
 from dtrain.rank_inputs import RankInputs
@@ -273,9 +273,10 @@ class Trainer:
             "perf/tokens_per_sec_per_gpu": tokens_per_sec_per_gpu,
             "mem/peak_gb": peak_memory_gb(self.runtime.device),
         }
-        for stats in (launched.router_stats, launched.mtp_stats):
-            if stats is not None:
-                scalars.update(stats.scalars())
+        if launched.router_stats is not None:
+            scalars.update(router_scalars(launched.router_stats))
+        if launched.mtp_stats is not None:
+            scalars.update(mtp_scalars(launched.mtp_stats))
         # The keys a query attended to, on average: each document's causal (windowed) attention only.
         attended_keys = attended_pairs / self.global_tokens
         scalars["perf/attended_keys_per_token"] = attended_keys

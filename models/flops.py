@@ -1,4 +1,7 @@
-"""Model FLOPs per token, by the convention of BENCHMARKS.md (the MFU numerator)."""
+"""Model FLOPs per token, the MFU numerator: 6 N + 12 L d S, N every matmul parameter but the input
+embedding (the output head counts; of routed experts the active ones, top_k / num_experts), L
+layers, d the model width, S the sequence length. MFU divides it by the dense BF16 peak (FP8 runs
+too, so that the two compare)."""
 
 from __future__ import annotations
 
@@ -49,8 +52,8 @@ def matmul_params(cfg: LlamaConfig | MoEConfig) -> int:
 
 def attention_flops_per_token(cfg: LlamaConfig | MoEConfig, keys: float) -> float:
     """Scores (q.k over the query/key head dims) and values (over the value head dims), forward and
-    backward, against `keys` keys per query (the whole sequence S, causal or not, by the convention
-    of BENCHMARKS.md), in every attention layer: 6 S (qk + v)
+    backward, against `keys` keys per query (the whole sequence S, causal or not, as the module's
+    convention counts), in every attention layer: 6 S (qk + v)
     per layer, where qk and v are the summed head dims of all heads. For Llama qk = v = d
     (12 L d S), and heads x head_dim where the heads are not d / heads wide (Qwen3-0.6B); for MLA
     heads x (qk_nope + qk_rope) and heads x v_head_dim. MTP blocks attend too."""
@@ -75,7 +78,7 @@ def convention_keys(cfg: LlamaConfig | MoEConfig, seq_len: int) -> float:
 
 def flops_per_token(cfg: LlamaConfig | MoEConfig, seq_len: int, attended_keys: float | None = None) -> float:
     """6 N (forward + backward matmuls) + the attention scores and values (12 L d S for Llama, causal
-    or not: the convention of BENCHMARKS.md; windowed and chunked layers by their window or chunk).
+    or not: the module's convention; windowed and chunked layers by their window or chunk).
     With `attended_keys`, the mean number of keys a query attends to in a layer, the attention term
     counts those keys instead: the work actually needed, which for packed documents is the sum of
     their causal attention ((S + 1) / 2 keys for one causal document)."""

@@ -222,29 +222,6 @@ class RouterStats:
         self.load, self.totals = {}, {}
         return taken
 
-    def scalars(self) -> dict[str, float]:
-        """Log lines: mean router losses, dropped fraction and load imbalance (max / mean expert
-        load: 1 is perfect balance, num_experts / top_k is everything on top_k experts)."""
-        if not self.load:
-            return {}
-        totals = torch.stack(list(self.totals.values())).cpu()
-        load = torch.stack(list(self.load.values())).cpu()
-        imbalance = load.max(-1).values / load.mean(-1).clamp_min(1e-20)
-        records = totals[:, 4].clamp_min(1)
-        out = {
-            "moe/aux_loss": (totals[:, 2] / records).mean().item(),
-            "moe/z_loss": (totals[:, 3] / records).mean().item(),
-            "moe/dropped_fraction": (totals[:, 1].sum() / totals[:, 0].sum().clamp_min(1)).item(),
-            "moe/imbalance_max": imbalance.max().item(),
-            "moe/imbalance_mean": imbalance.mean().item(),
-        }
-        out.update({f"moe/imbalance/layer_{layer}": v.item() for layer, v in zip(self.load, imbalance)})
-        return out
-
-    def tokens_per_expert(self) -> dict[int, torch.Tensor]:
-        """Layer -> slots per expert, for a histogram (`moe/tokens_per_expert`)."""
-        return {layer: load.cpu() for layer, load in self.load.items()}
-
 
 @torch.compiler.disable
 def _record_router_stats(stats: RouterStats, layer: int, load: torch.Tensor, num_dropped: torch.Tensor,

@@ -135,17 +135,6 @@ class MTPStats:
         taken.totals, self.totals = self.totals, {}
         return taken
 
-    def scalars(self) -> dict[str, float]:
-        """`train/mtp_loss`: the mean cross-entropy per label, averaged over the depths; and each
-        depth's own (`train/mtp_loss/depth_k`, k from 1) when there are several."""
-        if not self.totals:
-            return {}
-        per_depth = {k: (t[0] / t[1].clamp_min(1)).item() for k, t in sorted(self.totals.items())}
-        out = {"train/mtp_loss": sum(per_depth.values()) / len(per_depth)}
-        if len(per_depth) > 1:
-            out.update({f"train/mtp_loss/depth_{k + 1}": v for k, v in per_depth.items()})
-        return out
-
 
 @torch.compiler.disable
 def _record(stats: MTPStats, depth: int, loss_sum: torch.Tensor, count: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ PRESETS: dict[str, LlamaConfig | MoEConfig] = {
         dim=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=192, vocab_size=2048,
         rope_theta=10000.0,
     ),
-    # The benchmark shape of BENCHMARKS.md.
+    # The benchmark shape llama-1b (tools/shapes.py) against which dtrain and its peers were measured.
     "llama-1b": LlamaConfig(
         dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, ffn_dim=8192, vocab_size=128256,
     ),

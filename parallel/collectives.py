@@ -9,7 +9,7 @@ communication runs on the process group's own worker threads, which copy into an
 caller's tensors and hold (and finally drop) references to them. The all-gather dispatch used to
 leave three of them in flight (tokens, expert ids, routing weights) while this thread went on
 allocating and freeing; expert-parallel runs on gloo died now and then on SIGSEGV or "malloc():
-unaligned tcache chunk detected" (issue 25), and a loop of functional all-gathers left in flight
+unaligned tcache chunk detected", and a loop of functional all-gathers left in flight
 so crashed where the same loop waiting on each did not. Here each collective waits for its
 communication before returning: one collective at a time, none in flight while we compute.
 

@@ -20,7 +20,7 @@ balance stay as they are. Attention sinks (parallel/attention_sinks.py) rescale 
 once, after the all-gather's or the ring's blocks are merged; under a2a each rank takes the sinks of
 the heads it holds.
 
-torch's own `context_parallel()` only intercepts CUDA SDPA ops (TORCH-NOTES.md), hence this module: it
+torch's own `context_parallel()` only intercepts CUDA SDPA ops (no CPU path), hence this module: it
 runs on CPU (what the tests check) and on CUDA. The all-gather and ring methods call the fused
 kernels that also return each block's log-sum-exp (parallel/attention_blocks.py: cuDNN or flash on
 CUDA, the CPU flash kernel on CPU; fp32 math where none fits); a2a runs SDPA limited to the cuDNN,

@@ -153,7 +153,7 @@ def _overlaps(t: torch.Tensor) -> bool:
     """Whether a chunk's collective stays in flight while the next chunk's matmuls run. On NCCL it
     runs beside them on its own stream. On gloo it runs on the process group's worker threads,
     which share the CPU with the matmuls, so there is nothing to win, and runs that left several
-    functional collectives in flight at once died now and then on SIGSEGV (issue 25): there each
+    functional collectives in flight at once died now and then on SIGSEGV: there each
     collective is waited on as soon as it is issued."""
     return t.is_cuda
 

@@ -210,12 +210,12 @@ def test_a_mismatched_parameter_shape_in_the_shards_is_caught(reference, tmp_pat
 
 
 def test_resume_without_checkpoints_starts_at_step_zero_and_bad_paths_fail(tmp_path, capsys):
-    assert ckpt.resolve_resume(ckpt.LATEST, tmp_path) is None
+    assert ckpt.resume_candidates(ckpt.LATEST, tmp_path) == ([], False)
     with pytest.raises(ckpt.UserError, match="no such directory"):
-        ckpt.resolve_resume(str(tmp_path / "nowhere"), tmp_path)
+        ckpt.resume_candidates(str(tmp_path / "nowhere"), tmp_path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckpt.UserError, match="holds no complete checkpoint"):
-        ckpt.resolve_resume(str(tmp_path / "empty"), tmp_path)
+        ckpt.resume_candidates(str(tmp_path / "empty"), tmp_path)
 
 
 def test_leftovers_are_removed_and_keep_last_prunes_oldest(tmp_path):
@@ -229,8 +229,8 @@ def test_leftovers_are_removed_and_keep_last_prunes_oldest(tmp_path):
     assert ckpt.remove_incomplete(root) == ["step_000004.tmp", "step_000005"]
     ckpt.prune(root, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["notes", "step_000002", "step_000003"]
-    assert ckpt.resolve_resume(ckpt.LATEST, tmp_path) == root / "step_000003"
-    assert ckpt.resolve_resume(str(tmp_path), tmp_path) == root / "step_000003"
+    assert ckpt.resume_candidates(ckpt.LATEST, tmp_path)[0][0] == root / "step_000003"
+    assert ckpt.resume_candidates(str(tmp_path), tmp_path)[0][0] == root / "step_000003"
 
 
 def test_resume_flag_takes_an_optional_value():

@@ -1,5 +1,5 @@
 """The collectives of expert parallelism and of sequence parallelism's chunked matmuls, repeated
-hundreds of times in one gloo group (issue 25: with functional collectives left in flight
+hundreds of times in one gloo group (with functional collectives left in flight
 together, runs on gloo crashed now and then). Outside the default run; `python -m pytest -m
 stress` runs them (minutes on 2 cores, more under load). tests/workers/ep_stress.py and
 tests/workers/tp_stress.py say what each iteration does."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dtrain.checkpoint.storage import shape_difference
+from dtrain.metrics import mtp_scalars
 from models import deepseek, flops, llama, mla, moe, mtp, spec
 from models.config import DeepSeekConfig, YarnScaling
 from models.context import LocalContext
@@ -250,7 +251,7 @@ def test_two_mtp_depths_each_predict_further_and_are_logged_apart():
     deepseek.forward(params, tokens, tokens.roll(-1, 1), cfg, LocalContext(), router, stats).backward()
     # Depth k has 16 - k labels per sample; its MoE block is layer num_layers + k - 1.
     assert [t[1].item() for _, t in sorted(stats.totals.items())] == [2 * 15, 2 * 14]
-    scalars = stats.scalars()
+    scalars = mtp_scalars(stats)
     assert set(scalars) == {"train/mtp_loss", "train/mtp_loss/depth_1", "train/mtp_loss/depth_2"}
     assert scalars["train/mtp_loss"] == pytest.approx((scalars["train/mtp_loss/depth_1"] + scalars["train/mtp_loss/depth_2"]) / 2)
     assert sorted(router.load) == [1, 2, 3] and deepseek.block_path(cfg, 3) == "mtp.1.block"
@@ -277,7 +278,7 @@ def test_mtp_loss_joins_the_gradient_with_its_weight_and_is_logged_apart():
     # The returned loss is the next-token loss alone; the MTP loss is the same whatever its weight.
     assert torch.equal(loss_1, loss_2) and torch.equal(loss_1, loss_0)
     assert stats_1.totals[0][1] == 2 * 15 and torch.equal(stats_1.totals[0], stats_2.totals[0])
-    assert stats_1.scalars()["train/mtp_loss"] == pytest.approx((stats_1.totals[0][0] / 30).item())
+    assert mtp_scalars(stats_1)["train/mtp_loss"] == pytest.approx((stats_1.totals[0][0] / 30).item())
     # The MTP module's own weights get gradients in proportion to the weight, none at weight 0;
     # the main blocks' include the MTP part too.
     eh = [p["mtp"]["0"]["eh_proj"].grad for p in (params_1, params_2, params_0)]

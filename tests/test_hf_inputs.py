@@ -156,7 +156,7 @@ def test_export_replaces_its_own_earlier_export_whole(two_checkpoints, tmp_path,
         named = set(json.loads((out / hf.INDEX_FILE).read_text())["weight_map"].values())
         assert set(files) == named | {hf.INDEX_FILE, "config.json"}, files
     written = _exported(out)
-    _, params_b, _ = hf_convert.read_dtrain_params(b)
+    _, _, params_b, _ = hf_convert._read_newest(b)
     assert written.keys() == params_b.keys()
     for name in written:
         assert torch.equal(written[name], params_b[name]), name

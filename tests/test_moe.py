@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dtrain.metrics import router_scalars
 from models import flops, mixtral, moe, spec
 from models.config import MoEConfig
 from models.context import LocalContext, grouped_swiglu
@@ -195,7 +196,7 @@ def test_capacity_drops_the_lowest_scores_and_they_add_nothing():
         torch.testing.assert_close(out, _reference_moe(p, x_TD, cfg, kept), rtol=1e-4, atol=1e-5)
     stats = moe.RouterStats()
     moe.moe_forward(p, x_TD[None], cfg, LocalContext(), aux=types.SimpleNamespace(router_stats=stats))
-    assert stats.scalars()["moe/dropped_fraction"] == pytest.approx(num_dropped / (24 * cfg.top_k))
+    assert router_scalars(stats)["moe/dropped_fraction"] == pytest.approx(num_dropped / (24 * cfg.top_k))
 
 
 def test_aux_and_z_losses_match_their_formulas():
@@ -300,7 +301,7 @@ def test_tiny_moe_forward_loss_and_gradients(changes):
         else:
             assert value.grad is None, path
     assert sorted(stats.load) == list(cfg.moe_layers) and all("moe" in params["blocks"][str(i)] for i in cfg.moe_layers)
-    scalars = stats.scalars()
+    scalars = router_scalars(stats)
     assert scalars["moe/imbalance_max"] >= 1.0 and math.isfinite(scalars["moe/aux_loss"])
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dtrain.config import load_config
-from dtrain.planner import __main__ as plan_cli
+from dtrain.planner import __main__ as planner_cli
 from dtrain.planner import advice, memory
 from dtrain.planner.candidates import Target
 from dtrain.planner.search import search
@@ -92,7 +92,7 @@ def test_transformer_engine_and_the_fp8_head_are_planned_with_the_run():
 
 
 def test_json_lists_candidates_best_first_with_the_named_keys(capsys):
-    assert plan_cli.main(["--model", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--json", "--top", "4"]) == 0
+    assert planner_cli.main(["--model", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--json", "--top", "4"]) == 0
     candidates = json.loads(capsys.readouterr().out)
     assert len(candidates) == 4
     for key in ("mesh", "micro_batch", "recompute", "memory_gb", "tokens_per_sec_per_gpu", "command"):
@@ -103,13 +103,13 @@ def test_json_lists_candidates_best_first_with_the_named_keys(capsys):
 
 
 def test_a_model_that_fits_nowhere_gets_one_line_naming_what_would(capsys):
-    code = plan_cli.main(["--model", "llama3.1-405b", "--gpus", "8", "--gpu-memory-gb", "80", "--global-batch", "64"])
+    code = planner_cli.main(["--model", "llama3.1-405b", "--gpus", "8", "--gpu-memory-gb", "80", "--global-batch", "64"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
     assert "does not fit on 8 GPUs of 80 GB" in err and "it fits on" in err and " GPUs" in err
     # 70B needs ~1.1 TB of fp32 weights, gradients and AdamW state: never 2 GPUs of 80 GB, and
     # with a node's 2 TB of host memory shared by its 8 GPUs, not fewer than 8 even offloaded.
-    assert plan_cli.main(["--model", "llama3-70b", "--gpus", "1", "--global-batch", "256"]) == 2
+    assert planner_cli.main(["--model", "llama3-70b", "--gpus", "1", "--global-batch", "256"]) == 2
     assert "it fits on 8 GPUs with --cpu-offload" in capsys.readouterr().err
 
 
@@ -131,7 +131,7 @@ def test_a_model_that_fits_nowhere_gets_one_line_naming_what_would(capsys):
       "--loss-chunk-tokens", "4096"], "drop one of them"),
 ])
 def test_bad_planner_input_is_one_clear_line(argv, message, capsys):
-    assert plan_cli.main(argv) == 2
+    assert planner_cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dtrain.planner: error: ") and message in err and "\n" not in err
 
@@ -139,8 +139,8 @@ def test_bad_planner_input_is_one_clear_line(argv, message, capsys):
 def test_validate_writes_its_table_into_the_readme_between_markers(tmp_path, capsys):
     readme = tmp_path / "README.md"
     command = f"python -m dtrain.planner --validate {REPO / 'benchmarks' / 'results.jsonl'}"
-    readme.write_text(f"intro\n<!-- {command} -->\nSTALE TABLE\n{plan_cli.END_MARKER}\noutro\n")
-    assert plan_cli.main(["--validate", str(REPO / "benchmarks" / "results.jsonl"), "--readme", str(readme)]) == 0
+    readme.write_text(f"intro\n<!-- {command} -->\nSTALE TABLE\n{planner_cli.END_MARKER}\noutro\n")
+    assert planner_cli.main(["--validate", str(REPO / "benchmarks" / "results.jsonl"), "--readme", str(readme)]) == 0
     text = readme.read_text()
     assert "STALE TABLE" not in text and text.startswith("intro\n") and text.endswith("outro\n")
     assert "| llama-1b | 1 | single | 4096 | 4/4 | --compile | 45.8 GB |" in text

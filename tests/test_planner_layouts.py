@@ -10,7 +10,7 @@ import attrs
 import pytest
 
 from dtrain.layout import Machine
-from dtrain.planner import __main__ as plan_cli
+from dtrain.planner import __main__ as planner_cli
 from dtrain.planner import gpus, memory
 from dtrain.planner.candidates import Fixed, Target
 from dtrain.planner.hardware import H200
@@ -48,7 +48,7 @@ def test_the_same_layout_runs_faster_on_faster_gpus():
 def test_a_given_layout_keeps_what_is_fixed_and_searches_the_rest(capsys):
     argv = ["--model", "llama3-70b", "--gpus", "64", "--gpu", "h100-sxm", "--seq-len", "8192", "--global-batch", "128",
             "--mesh", "pp=8,dp_shard=2,tp=4", "--pp-virtual-stages", "5", "--dp-mode", "zero1", "--json", "--top", "1"]
-    assert plan_cli.main(argv) == 0
+    assert planner_cli.main(argv) == 0
     [given] = json.loads(capsys.readouterr().out)
     assert given["mesh"] == "pp=8,dp_shard=2,tp=4" and given["pp_virtual_stages"] == 5
     assert given["pp_schedule"] == "interleaved-1f1b" and given["dp_mode"] == "zero1"
@@ -69,10 +69,10 @@ def test_a_given_layout_keeps_what_is_fixed_and_searches_the_rest(capsys):
 def test_a_given_layout_that_does_not_fit_is_reported_with_its_memory(capsys):
     argv = ["--model", "llama3-70b", "--gpus", "8", "--gpu", "h100-sxm", "--seq-len", "8192", "--global-batch", "8",
             "--mesh", "tp=8", "--micro-batch", "1", "--no-cpu-offload"]
-    assert plan_cli.main([*argv, "--json"]) == 0
+    assert planner_cli.main([*argv, "--json"]) == 0
     [given] = json.loads(capsys.readouterr().out)
     assert given["fits"] is False and given["memory_gb"] > 80 and given["recompute"] == "full"
-    assert plan_cli.main(argv) == 0
+    assert planner_cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "0 layouts fit" in out and "the nearest:" in out and "fits false" in out and "bound by: " in out
 
@@ -84,7 +84,7 @@ def test_a_given_layout_that_does_not_fit_is_reported_with_its_memory(capsys):
     (["--gpu", "h100-sxm", "--gpu-memory-gb", "-1"], "must be positive"),
 ])
 def test_bad_given_layouts_are_one_clear_line(argv, message, capsys):
-    assert plan_cli.main(["--model", "llama3-8b", "--gpus", "8", "--global-batch", "16", *argv]) == 2
+    assert planner_cli.main(["--model", "llama3-8b", "--gpus", "8", "--global-batch", "16", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dtrain.planner: error: ") and message in err and "\n" not in err
 

@@ -37,7 +37,7 @@ def test_an_export_takes_the_newest_again_when_its_checkpoint_is_pruned(live_run
     code = hf_convert.main(["export", str(live_run.parent), str(tmp_path / "hf")])
     out = capsys.readouterr()
     assert code == 0, out.err
-    assert hf_convert.read_dtrain_params(live_run.parent)[2]["step"] == 6
+    assert hf_convert._read_newest(live_run.parent)[3]["step"] == 6
 
 
 def test_an_export_of_a_named_checkpoint_that_is_pruned_is_one_line(live_run, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """`--fp8-backend te` on GPUs with Transformer Engine (marked gpu; skipped without CUDA or TE).
-On the GPU machine, with TE installed as ../shared/te/README.md says:
+On a GPU machine with TE installed (`pip install -e '.[te]'`; a hand-built install sources its
+`.te/env.sh` first, which points TE at torch's cuDNN):
 
     . .te/env.sh && python -m pytest -m gpu tests/test_te_gpu.py -v
 

@@ -138,7 +138,7 @@ class _OpOrder(TorchDispatchMode):
 
 def test_on_gloo_each_chunks_collective_is_waited_on_before_any_other_op(tp2):
     # Several functional collectives in flight at once on gloo's worker threads crashed runs now and
-    # then (issue 25): a pp=2,tp=2 run with SP died on SIGSEGV in the chunked reduce-scatter's
+    # then: a pp=2,tp=2 run with SP died on SIGSEGV in the chunked reduce-scatter's
     # backward, which had issued every chunk's collective before waiting on the first.
     block_fn, params, x, aux, ctx = _block("chunked")
     with _OpOrder() as order:

@@ -3,8 +3,8 @@
     python -m tools.bench --shape llama-1b --steps 30 -- --compile
     torchrun --nproc_per_node 2 -m tools.bench --shape llama-8b -- --mesh dp=2
 
-Throughput is the median over the steps after `--warmup` (compilation excluded); MFU follows
-BENCHMARKS.md. Packed documents need no dataset: `-- --document-mask --synthetic-document-length
+Throughput is the median over the steps after `--warmup` (compilation excluded); MFU is model FLOPs
+per token (models/flops.py) over the dense BF16 peak. Packed documents need no dataset: `-- --document-mask --synthetic-document-length
 2048` packs synthetic documents of random lengths (mean 2048) into every sample; the JSON line then
 also has `mfu_document_attention_pct`, the MFU of the attention the documents needed. Arguments after `--` go to dtrain's own CLI (`python -m dtrain.run --help`).
 `--table FILE` renders the JSON lines of FILE as a markdown table instead, and with

@@ -7,7 +7,7 @@ their JSON lines to a results file:
 `--list` shows the setups. A setup runs when the machine has the GPUs it needs (`--gpus`); with
 `--only`, when its name contains one of the given strings; with `--group`, when it belongs to that
 comparison (`GROUPS`), in the group's order. `--group targets` runs the setups behind the 2-GPU
-targets of BENCHMARKS.md, most needed first, so that a call with `--budget` measures the most
+performance targets (`GROUPS`), most needed first, so that a call with `--budget` measures the most
 needed ones it has time for. `--profile DIR` profiles every setup that runs (DIR/<setup>/), and adds
 where its steps' time went to the results (`--group breakdown --profile DIR` for the README's
 breakdown of llama-1b and llama-8b). `--budget` stops starting new setups after that many
@@ -29,7 +29,7 @@ from tools.bench_tables import ATTENTION_FILE
 STEPS = ["--steps", "14", "--warmup", "4"]
 LONG = ["--seq-len", "32768", "--micro-batch", "1"]
 PP = ["--mesh", "pp=2", "--micro-batch", "1"]
-# Packed documents (issue 20): synthetic documents of random lengths, attention within each.
+# Packed documents: synthetic documents of random lengths, attention within each.
 DOCUMENTS = ["--document-mask", "--synthetic-document-length"]
 TE = ["--fp8-backend", "te", "--fp8"]
 
@@ -89,7 +89,7 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                              "--recompute", "selective"]),
     "llama-8b tp=2 sp fp8": (2, ["--shape", "llama-8b", *STEPS, "--", "--compile", "--mesh", "tp=2",
                                  "--sequence-parallel", "--recompute", "selective", "--fp8", "tensorwise"]),
-    # Transformer Engine's recipes (issue 19) beside the bf16 and torchao rows of the same setups.
+    # Transformer Engine's recipes beside the bf16 and torchao rows of the same setups.
     **{f"llama-1b single te {recipe}": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile", *TE, recipe])
        for recipe in ("delayed", "current")},
     "llama-1b single te delayed head": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile", *TE, "delayed",
@@ -109,7 +109,7 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                                                     "--model-overrides", "num_layers=8", *fp8])
        for name, fp8 in (("", []), (" fp8", ["--fp8", "tensorwise"]), (" te delayed", [*TE, "delayed"]),
                          (" te delayed experts", [*TE, "delayed", "--fp8-experts"]))},
-    # Tensor parallelism against FSDP (issue 21): without SP, with SP and its collectives fused
+    # Tensor parallelism against FSDP: without SP, with SP and its collectives fused
     # into the matmuls (the default), and with SP's separate collectives (--tp-overlap none).
     "llama-1b tp=2 sp unfused": (2, ["--shape", "llama-1b", *STEPS, "--", "--compile", "--mesh", "tp=2",
                                      "--sequence-parallel", "--tp-overlap", "none"]),
@@ -139,7 +139,7 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                                                            "--mesh", "dp=2,ep=2", "--global-batch", "16",
                                                            "--micro-batch", "2", *_overrides(["num_layers=14"]),
                                                            *DOCUMENTS, "2048"]),
-    # The output projection and loss a chunk of tokens at a time (issue 22), beside the unfused rows
+    # The output projection and loss a chunk of tokens at a time, beside the unfused rows
     # above, and with the larger micro-batch that the memory it saves may allow.
     **{f"llama-1b single loss-chunks {chunk}{name}": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile",
                                                            "--loss-chunk-tokens", str(chunk), *flags])
@@ -167,7 +167,7 @@ SUITE: dict[str, tuple[int, list[str]]] = {
 GROUPS: dict[str, list[str]] = {
     "tp-overlap": [f"{shape} {mesh}" for shape in ("llama-1b", "llama-8b", "llama-70b-4l")
                    for mesh in ("dp=2", "tp=2", "tp=2 sp", "tp=2 sp unfused")],
-    # Where the steps of issue 22's targets go (with --profile): bf16 and the fastest FP8 setup of each.
+    # Where the steps of the one- and two-GPU targets go (with --profile): bf16 and the fastest FP8 setup of each.
     "breakdown": ["llama-1b single", "llama-1b single fp8 head", "llama-8b dp=2", "llama-8b dp=2 fp8 head no-reshard"],
     # The 2-GPU targets: llama-8b dp=2 bf16 (60% MFU) beside tp=2 with SP (95% of it), FP8
     # (13,000 tok/s/GPU); llama-1b tp=2 with SP (90% of dp=2, never slower than without SP);
@@ -177,7 +177,7 @@ GROUPS: dict[str, list[str]] = {
                 "deepseek-v2-lite dp=2,ep=2 layers=14 reduce-once balanced", "llama-8b dp=2 fp8",
                 "llama-8b dp=2 te delayed", "mixtral-small dp=2,ep=2 allgather fp8",
                 "mixtral-small dp=2,ep=2 allgather te delayed", "llama-8b tp=2 sp fp8", "llama-8b tp=2 sp te delayed"],
-    # What one H200 measures of issue 23: MLA beside GQA, and DeepSeek layers.
+    # What one H200 measures of DeepSeek: MLA beside GQA, and DeepSeek layers.
     "deepseek-one-gpu": ["attention gqa and mla", *(name for name in SUITE if name.startswith("deepseek-v2-lite single"))],
     "loss-chunks": ["llama-1b single", "llama-1b single fp8 head", "llama-8b dp=2", "llama-8b dp=2 fp8 head",
                     *(name for name in SUITE if "loss-chunks" in name or "micro-batch" in name)],

@@ -158,13 +158,6 @@ def _load_params(found: Path, cfg: LlamaConfig | MoEConfig) -> tuple[dict[str, t
     return state["model"], meta
 
 
-def read_dtrain_params(path: str | Path) -> tuple[LlamaConfig | MoEConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """Full parameter tensors of a dtrain checkpoint (or of the latest one of a run directory),
-    read in this one process whatever mesh wrote them."""
-    _, cfg, params, meta = _read_newest(path)
-    return cfg, params, meta
-
-
 def export_hf(path: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
               max_shard_bytes: int = 5 * 2**30) -> Path:
     """Writes a dtrain checkpoint as an HF checkpoint; by default in the dtype it was imported

@@ -18,7 +18,6 @@ replaced by U+FFFD; the first one is named, and the count given at the end.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import multiprocessing
 import os

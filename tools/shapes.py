@@ -1,4 +1,4 @@
-"""The benchmark shapes: each a model preset and the data shape BENCHMARKS.md measures it with
+"""The benchmark shapes: each a model preset and the data shape it is measured with
 (`python -m tools.bench --shape NAME`; the README's tables list them in this order)."""
 
 SHAPES = {

@@ -1,5 +1,6 @@
 """The GPU check of Transformer Engine FP8 (`--fp8-backend te`) in one command, on a machine with
-two GPUs and TE installed (../shared/te/README.md; source `.te/env.sh` before python starts):
+two GPUs and TE installed (`pip install -e '.[te]'`; a hand-built install sources its `.te/env.sh`,
+which points TE at torch's cuDNN, before python starts):
 
     python -m tools.te_check                                  # all three phases
     python -m tools.te_check --phase bench --only llama-1b    # one phase, some setups
@@ -58,8 +59,8 @@ def check_te_imports() -> None:
     result = subprocess.run([sys.executable, "-c", "import transformer_engine.pytorch"], capture_output=True, text=True)
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["?"])[-1]
-        raise SystemExit(f"error: Transformer Engine does not import ({last}); install it and source .te/env.sh "
-                         f"as ../shared/te/README.md says")
+        raise SystemExit(f"error: Transformer Engine does not import ({last}); install it (pip install -e '.[te]') "
+                         f"and, for a hand-built install, source .te/env.sh first")
 
 
 def run_tests() -> bool:

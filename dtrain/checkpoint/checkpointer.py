@@ -179,7 +179,7 @@ class Checkpointer:
     def _set_aside(self, path: Path, error: ckpt.CorruptCheckpoint, older: Path | None) -> None:
         """A corrupt checkpoint of this run is renamed out of the way (kept for inspection), so that
         the next restart does not try it again; the log says what the run falls back to."""
-        aside = path.with_name(path.name + ".corrupt")
+        aside = path.with_name(path.name + ckpt.CORRUPT)
         if self.is_main and path.parent == self.root:
             shutil.rmtree(aside, ignore_errors=True)
             try:

@@ -141,12 +141,6 @@ def checkpoints_at(path: Path) -> tuple[list[Path], bool]:
     return [], False
 
 
-def resolve_resume(value: str, run_dir: Path) -> Path | None:
-    """The newest checkpoint that `--resume VALUE` names (None: `latest` and there is none yet)."""
-    candidates, _ = resume_candidates(value, run_dir)
-    return candidates[0] if candidates else None
-
-
 def model_shape(cfg: LlamaConfig) -> dict[str, Any]:
     """The config's fields by the names its constructor takes (`head_dim`, stored as explicit_head_dim),
     lists for tuples, as meta.json holds them."""

@@ -33,7 +33,7 @@ from dtrain.config import ParallelArgs, TrainArgs
 from dtrain.planner import gpus
 from dtrain.planner.candidates import Fixed, Target
 from dtrain.planner.hardware import H200
-from dtrain.planner.report import END_MARKER, plan_text, write_into_readme
+from dtrain.planner.report import END_MARKER, candidates_text, write_into_readme
 from dtrain.planner.search import nothing_fits, search
 from models.errors import UserError
 from parallel.precision import FP8_RECIPES
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> str:
         raise UserError(nothing_fits(target))
     if args.json:
         return json.dumps([c.as_json() for c in candidates[:max(args.top, 1)]], indent=1)
-    return plan_text(target, candidates, args.top, seconds)
+    return candidates_text(target, candidates, args.top, seconds)
 
 
 def target_of(args: argparse.Namespace) -> Target:

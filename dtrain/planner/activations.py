@@ -34,7 +34,9 @@ class KernelFacts:
     # takes this path where the kernel has no GQA of its own.
     eager_expands_kv: bool = True
     # What the CUDA kernels keep beyond the tensors above (cuDNN's saved workspace and RNG
-    # state), in units of one attention output (bytes of q): fitted on benchmarks/results.jsonl.
+    # state), in units of one attention output (bytes of q): 0.7 on CUDA (`CUDA` below), fitted on
+    # the compiled H200 rows of benchmarks/results.jsonl; set most by llama-8b dp=2 at seq 8192 with
+    # --cpu-offload (5acb6e7) and llama-1b pp=2 under gpipe and looped-bfs (8bd94c4).
     extra_outputs: float = 0.0
 
 

@@ -1,9 +1,11 @@
 """The machine the models predict for: GPU memory, kernel rates and links.
 
-Rates are measured on H200s (BENCHMARKS.md, TORCH-NOTES.md), not datasheet figures, and the few
-that no microbenchmark pins down (how fast attention and the element-wise kernels run in a whole
-step, how much overlapped collectives slow compute) are fitted on benchmarks/results.jsonl
-(`python -m dtrain.planner --validate`). Inter-node bandwidth is a setting: no row measures it.
+Rates are measured on one H200 (torch 2.11, CUDA 13: an 8192^3 GEMM in BF16 and in FP8, a
+device-to-device copy, NCCL's bus bandwidth), not datasheet figures, and the few that no
+microbenchmark pins down (how fast attention and the element-wise kernels run in a whole step, how
+much overlapped collectives slow compute) are fitted on the rows of benchmarks/results.jsonl
+(`python -m dtrain.planner --validate`); each fitted rate's comment names the rows that set it (whose
+predicted step moves most with it). Inter-node bandwidth is a setting: no row measures it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Hardware:
     fp8_peak_tflops: float = 1979.0      # dense FP8 datasheet peak (0: no FP8 matmuls)
     gemm_tflops: float = 780.0           # BF16 GEMM 8192^3, measured
     # GEMMs lose efficiency as their smaller weight dim shrinks: rate x n / (n + gemm_half_dim).
+    # Fitted; set by the narrow experts of deepseek-v2-lite (7 layers, one GPU, seq 4096, 48e345c).
     gemm_half_dim: float = 80.0
     fp8_gemm_tflops: float = 1398.0      # FP8 e4m3 GEMM 8192^3 (torch._scaled_mm, tensorwise), measured
     # The experts' grouped GEMM in a whole step against a dense GEMM of the same weight shapes:
@@ -34,20 +37,28 @@ class Hardware:
     # benchmarks/results.jsonl (0.65 of a dense GEMM at their 2,048 rows per expert).
     grouped_gemm_efficiency: float = 0.78
     grouped_gemm_half_rows: float = 406.0
-    attention_tflops: float = 355.0      # causal cuDNN attention, fwd+bwd, at long sequences
-    # Attention over short key ranges runs slower: rate x s / (s + attention_half_seq).
+    # Causal cuDNN attention, fwd+bwd, at long sequences in a whole step (fitted; set by llama-1b at
+    # seq 32768 and 65536 on one GPU, and at seq 131072 over cp=2 ring, 8bd94c4 and d5e057e).
+    attention_tflops: float = 355.0
+    # Attention over short key ranges runs slower: rate x s / (s + attention_half_seq) (fitted; set
+    # by llama-1b's 4096-token sliding window at seq 32768 and llama-3b within documents of 2048
+    # tokens at seq 8192, 030e263).
     attention_half_seq: float = 3400.0
     hbm_tb_s: float = 4.23               # device-to-device copy, measured
     # Element-wise and norm kernels of a block (forward and backward) move this many times the
-    # bytes a block saves for its backward (fitted).
+    # bytes a block saves for its backward (fitted; set by mixtral-small dp=2,ep=2 with the
+    # all-gather dispatch, 64a0ae9 and ad33144, and llama-1b on one GPU with selective recompute, a94440d).
     elementwise_traffic: float = 1.0
     nvlink_gb_s: float = 350.0           # NCCL bus bandwidth per GPU inside a node
     inter_node_gb_s: float = 50.0        # per GPU across nodes (400 Gb/s InfiniBand per GPU)
-    # Compute slows by this fraction of the time collectives overlap with it (their kernels take SMs).
+    # Compute slows by this fraction of the time collectives overlap with it (their kernels take SMs;
+    # fitted; set by mixtral-small dp=2 with and without --fsdp-reduce-once, 3dc4650, and llama-8b
+    # dp=2 at seq 8192, 5acb6e7).
     overlap_slowdown: float = 0.7
     collective_latency_s: float = 100e-6  # per collective call
     # Each tp collective of a block costs this much beyond its transfer: the copies into and out
-    # of its buffers and the layout changes around it (fitted on the tp=2 rows).
+    # of its buffers and the layout changes around it (fitted on the tp=2 rows: llama-1b tp=2 SP at
+    # seq 4096, 5acb6e7, and llama-8b tp=2 SP at seq 8192, 64a0ae9).
     tp_region_s: float = 0.0003
     host_gb_s: float = 25.0              # host <-> GPU copies (CPU offload)
     # AdamW on the CPU, bytes of state touched per second (fitted: llama-8b dp=2 --cpu-offload on a
@@ -57,11 +68,16 @@ class Hardware:
     # merges the blocks' partial results: this many times the fused kernel's time (fitted on the
     # llama-1b cp=2 ring row with documents; all-gather and all-to-all CP attend whole rows).
     masked_ring_slowdown: float = 1.75
-    step_overhead_s: float = 0.0005       # launches and host work per step that nothing hides
+    # Launches and host work per step that nothing hides (fitted; no row's step moves by more than
+    # 0.1% with it: the single-GPU mixtral-small rows of 9bdcf97 move most).
+    step_overhead_s: float = 0.0005
     # GPipe and looped BFS (every forward before any backward) ran each micro-batch this much
-    # slower than 1F1B and interleaved 1F1B on 2 H200s (llama-1b, pp=2: the README's bubble table).
+    # slower than 1F1B and interleaved 1F1B on 2 H200s (llama-1b pp=2 at seq 4096, gpipe and
+    # looped-bfs with 8 and 16 micro-batches, 8bd94c4: the README's bubble table).
     breadth_first_slowdown: float = 0.15
-    micro_batch_overhead_s: float = 0.0037  # the same per micro-batch and pipeline stage
+    # Launches and host work per micro-batch and pipeline stage (fitted on the same llama-1b pp=2
+    # rows, 8bd94c4 and 75c3da5).
+    micro_batch_overhead_s: float = 0.0037
 
     @property
     def gpu_memory_bytes(self) -> float:

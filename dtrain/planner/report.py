@@ -37,7 +37,7 @@ def describe(candidate: Candidate, rank: int, gpu_memory_gb: float) -> list[str]
     ]
 
 
-def plan_text(target: Target, candidates: list[Candidate], top: int, seconds: float) -> str:
+def candidates_text(target: Target, candidates: list[Candidate], top: int, seconds: float) -> str:
     nodes = max(1, target.gpus // target.gpus_per_node)
     fp8 = " ".join(fp8_flags(target))
     fitting = sum(c.fits for c in candidates)

@@ -301,7 +301,8 @@ def expert_rows(work: Workload) -> float:
 
 def _attention_seconds(work: Workload, hw: Hardware) -> float:
     """Causal attention: forward 4 FLOPs per query, key and query width over the keys before each
-    query (S/2 on average), backward twice that (12 L d S / 2 of BENCHMARKS.md's convention);
+    query (S/2 on average), backward twice that (the MFU convention's 12 L d S, models/flops.py,
+    halved);
     slower over short keys (context-parallel blocks are S / 2cp long, windows and documents as
     long as they are)."""
     d, mesh = work.config.data, work.mesh_spec

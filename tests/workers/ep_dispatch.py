@@ -228,11 +228,12 @@ def _check_moe_forward(seed: int, mesh, rank: int, dispatch: str, variant: str =
     return errors
 
 
-def _user_error(call) -> str | None:
+def _raised(call) -> str | None:
+    """`Kind: message` of the error `call()` raises (a user's UserError or an invariant's assert)."""
     try:
         call()
-    except UserError as error:
-        return str(error)
+    except (UserError, AssertionError) as error:
+        return f"{type(error).__name__}: {error}"
     return None
 
 
@@ -240,14 +241,14 @@ def _user_errors(mesh_2d) -> dict[str, str | None]:
     group, ep = mesh_2d["ep"].get_group(), mesh_2d["ep"].size()
     x, counts = torch.ones(4, EMBED), torch.tensor([4] + [0] * (2 * ep))  # 2 * ep + 1 experts
     w = torch.ones(2, MLP, EMBED)
-    errors = {"indivisible": _user_error(
+    errors = {"indivisible": _raised(
         lambda: expert_parallel_swiglu(x, counts, w, w, w.transpose(1, 2), group=group, num_experts=2 * ep + 1))}
     counts, w = torch.tensor([4] + [0] * (NUM_EXPERTS - 1)), torch.ones(NUM_EXPERTS // ep + 1, MLP, EMBED)
-    errors["wrong_block"] = _user_error(
+    errors["wrong_block"] = _raised(
         lambda: expert_parallel_swiglu(x, counts, w, w, w.transpose(1, 2), group=group, num_experts=NUM_EXPERTS))
     # Expert weights whose mlp dim is also split (over "dp" here, as a plan mapping mlp -> tp would).
     w = distribute_tensor(torch.ones(NUM_EXPERTS, MLP, EMBED), mesh_2d, [Shard(1), Shard(0)])
-    errors["mlp_split"] = _user_error(
+    errors["mlp_split"] = _raised(
         lambda: _ExpertParallelContext(group).experts(x, counts, w, w, w.transpose(1, 2)))
     return errors
 

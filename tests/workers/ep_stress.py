@@ -1,5 +1,6 @@
 """Repeats the expert-parallel exchange many times in one process group, as training does, and
-checks every result (issue 25):
+checks every result (with several functional collectives in flight at once, runs on gloo crashed
+now and then):
 
     python -m tests.workers.ep_stress OUT_DIR [ITERATIONS [RUNS]]   # 2 gloo processes
 

@@ -1,5 +1,5 @@
 """Repeats sequence parallelism's chunked matmuls many times in one gloo group and checks every
-result (issue 25: several functional collectives in flight at once on gloo crashed runs now and
+result (several functional collectives in flight at once on gloo crashed runs now and
 then; a pp=2,tp=2 run with SP died on SIGSEGV in the chunked reduce-scatter):
 
     python -m tests.workers.tp_stress OUT_DIR [ITERATIONS]   # 2 gloo processes
