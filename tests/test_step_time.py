@@ -184,3 +184,30 @@ def test_units_reduced_once_hide_their_collectives_behind_one_forward_and_one_ba
     zero1 = exposed(16, "--dp-mode", "zero1")
     assert zero1 > 0 and exposed(128, "--dp-mode", "zero1") == pytest.approx(zero1)
     assert exposed(128) > 4 * exposed(16) > 0
+
+
+def test_an_overlapped_collective_slows_compute_by_the_pace_of_its_link():
+    """A collective over the network moves its bytes at a seventh of NVLink's pace, so it takes
+    the SMs and HBM it shares with compute for a seventh as much per second: hidden behind ample
+    compute, FSDP over two nodes costs a fraction of its transfer time, over one node's NVLink
+    `overlap_slowdown` of it."""
+    import attrs
+
+    from dtrain.planner.hardware import H200
+    from dtrain.planner.workload import workload
+
+    work = workload(resolved(["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1", "--compile",
+                              "--mesh", "dp=16", "--global-batch", "64"], 16, Machine.gpu_profile("h200")))
+
+    def overlap_cost(gpus_per_node: int) -> float:
+        """Exposed seconds beside ample compute over exposed seconds beside none, less the gather
+        and reduction that nothing hides."""
+        hw = attrs.evolve(H200, gpus_per_node=gpus_per_node)
+        unhidden = fsdp_time.fsdp_exposed_seconds(work, 0.0, hw)
+        hidden = fsdp_time.fsdp_exposed_seconds(work, 1e3, hw)
+        first = work.unit_totals().first_gather_bytes / (hw.link_gb_s(16) * 1e9)
+        last = 4 * work.unit_totals().last_reduced / (hw.link_gb_s(16) * 1e9)
+        return (sum(hidden.values()) - first - last) / (sum(unhidden.values()) - first - last)
+
+    assert overlap_cost(16) == pytest.approx(H200.overlap_slowdown)
+    assert overlap_cost(8) == pytest.approx(H200.overlap_slowdown * H200.inter_node_gb_s / H200.nvlink_gb_s)

@@ -66,7 +66,8 @@ def fsdp_exposed_seconds(work: Workload, compute: float, hw: Hardware) -> dict[s
         fixed = min(unhidden.get(name, 0.0), seconds)
         hidden = min(seconds - fixed, window, free)
         free -= hidden
-        exposed[name] = seconds - hidden + hw.overlap_slowdown * hidden
+        # Moving bytes at the network's pace takes fewer SMs' time per second than at NVLink's.
+        exposed[name] = seconds - hidden + hw.overlap_slowdown * hidden * min(1.0, link_used / hw.nvlink_gb_s)
     return exposed
 
 
