@@ -30,7 +30,13 @@ def test_the_h200_profile_is_the_measured_one_and_the_others_scale_by_their_data
     # No FP8 matmuls on an A100: FP8 recipes run at its BF16 rate.
     assert a100.fp8_gemm_tflops == a100.gemm_tflops and a100.inter_node_gb_s == 25
     assert gpus.profile("b200", memory_gb=192, inter_node_gb_s=100).gpu_memory_gb == 192
-    assert "| h800 | H800 SXM |" in gpus.profiles_table()
+    # A power-limited part: its peaks scaled by the share its clocks sustain, its HBM by its own.
+    hbm2e = gpus.profile("h100-hbm2e")
+    assert hbm2e.gemm_tflops == pytest.approx(H200.gemm_tflops * 0.92) and hbm2e.peak_tflops == 989
+    assert hbm2e.hbm_tb_s == pytest.approx(H200.hbm_tb_s * 2.4 / 4.8) and hbm2e.gpu_memory_gb == 96
+    assert gpus.ratios("h800")["nvlink_gb_s"] == pytest.approx(400 / 900)
+    table = gpus.profiles_table()
+    assert "| h800 | H800 SXM |" in table and "| h200 | H200 SXM |" in table and "measured" in table
 
 
 def test_the_same_layout_runs_faster_on_faster_gpus():

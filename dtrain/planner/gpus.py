@@ -33,6 +33,9 @@ class Datasheet:
     nvlink_gb_s: float        # both directions, all links of one GPU
     network_gb_s: float       # per GPU between nodes, the usual cluster's
     pcie_gb_s: float          # host <-> GPU, one direction
+    # The share of the dense peaks its clocks sustain, where a power limit holds them below the
+    # datasheet part's (1: as the datasheet).
+    sustained: float = 1.0
 
 
 DATASHEETS = {
@@ -40,6 +43,10 @@ DATASHEETS = {
     "h100-sxm": Datasheet("H100 SXM", 80.0, 989.0, 1979.0, 3.35, 900.0, 50.0, 64.0),
     "h800": Datasheet("H800 SXM", 80.0, 989.0, 1979.0, 3.35, 400.0, 50.0, 64.0),
     "h200": Datasheet("H200 SXM", 141.0, 989.0, 1979.0, 4.8, 900.0, 50.0, 64.0),
+    # Meta's Grand Teton H100 (TorchTitan's published runs): HBM2e at 2.4 TB/s and a 500 W limit,
+    # whose peak TorchTitan places between the SXM part's and the NVL part's (835 TFLOP/s dense
+    # BF16): the midpoint, 912 of the SXM's 989, until a measurement says.
+    "h100-hbm2e": Datasheet("H100 HBM2e 96GB 500W", 96.0, 989.0, 1979.0, 2.4, 900.0, 50.0, 64.0, sustained=0.92),
     "b200": Datasheet("B200 (HGX)", 180.0, 2250.0, 4500.0, 8.0, 1800.0, 50.0, 64.0),
 }
 MEASURED = "h200"
@@ -67,6 +74,8 @@ def profile(name: str, memory_gb: float | None = None, inter_node_gb_s: float | 
     rates = {}
     for rate, figure in SCALED_BY.items():
         theirs, ours = getattr(sheet, figure), getattr(measured, figure)
+        if figure in ("bf16_tflops", "fp8_tflops"):
+            theirs, ours = theirs * sheet.sustained, ours * measured.sustained
         if figure == "fp8_tflops" and not theirs:
             # No FP8 matmuls: the recipes' matmuls run in BF16.
             rates[rate] = getattr(H200, "gemm_tflops") * sheet.bf16_tflops / measured.bf16_tflops
@@ -87,18 +96,34 @@ def detect() -> str:
     return Machine.detect().gpu
 
 
+def ratios(name: str) -> dict[str, float]:
+    """Each measured rate's factor from the H200 to GPU `name` (SCALED_BY's datasheet ratios, FP8
+    at the BF16 ratio where the GPU has no FP8 matmuls)."""
+    hw = profile(name)
+    return {rate: getattr(hw, rate) / getattr(H200, rate) for rate in SCALED_BY}
+
+
 def profiles_table() -> str:
-    """Each profile's datasheet figures and the rates the planner predicts with (markdown)."""
-    lines = ["| --gpu | GPU | memory | BF16 / FP8 peak | HBM | NVLink | network per GPU | BF16 GEMM | FP8 GEMM | "
-             "attention | copy | NCCL bus in a node | host copies |", "|" + "---|" * 13]
+    """Each profile's datasheet figures, the ratios that carry the H200's measured rates to it, and
+    the rates the planner predicts with (markdown)."""
+    lines = ["| --gpu | GPU | memory | BF16 / FP8 dense peak | HBM | NVLink | network per GPU | x H200: GEMMs and "
+             "attention / FP8 GEMMs / copies / NVLink / host | BF16 GEMM | FP8 GEMM | attention | copy | NCCL bus in "
+             "a node | host copies |", "|" + "---|" * 14]
     for name, sheet in DATASHEETS.items():
         hw = profile(name)
         fp8 = f"{sheet.fp8_tflops:,.0f}" if sheet.fp8_tflops else "none"
-        lines.append(f"| {name} | {sheet.label} | {sheet.memory_gb:g} GB | {sheet.bf16_tflops:,.0f} / {fp8} TFLOP/s | "
-                     f"{sheet.hbm_tb_s:g} TB/s | {sheet.nvlink_gb_s:,.0f} GB/s | {sheet.network_gb_s:g} GB/s | "
-                     f"{hw.gemm_tflops:,.0f} | {hw.fp8_gemm_tflops:,.0f} | {hw.attention_tflops:,.0f} | "
-                     f"{hw.hbm_tb_s:.2f} TB/s | {hw.nvlink_gb_s:,.0f} GB/s | {hw.host_gb_s:g} GB/s |")
+        factors = ratios(name)
+        scale = " / ".join(f"{factors[rate]:.2f}" for rate in ("gemm_tflops", "fp8_gemm_tflops", "hbm_tb_s",
+                                                                "nvlink_gb_s", "host_gb_s"))
+        held = f" (sustained {sheet.sustained:.2f})" if sheet.sustained != 1 else ""
+        lines.append(f"| {name} | {sheet.label} | {sheet.memory_gb:g} GB | {sheet.bf16_tflops:,.0f} / {fp8} TFLOP/s"
+                     f"{held} | {sheet.hbm_tb_s:g} TB/s | {sheet.nvlink_gb_s:,.0f} GB/s | {sheet.network_gb_s:g} GB/s | "
+                     f"{'measured' if name == MEASURED else scale} | {hw.gemm_tflops:,.0f} | {hw.fp8_gemm_tflops:,.0f} | "
+                     f"{hw.attention_tflops:,.0f} | {hw.hbm_tb_s:.2f} TB/s | {hw.nvlink_gb_s:,.0f} GB/s | "
+                     f"{hw.host_gb_s:g} GB/s |")
     scaled = ", ".join(f"{rate} by {figure}" for rate, figure in SCALED_BY.items())
     lines += ["", f"The {MEASURED} rates are measured (attention's fitted on whole steps); the others are the "
-                  f"{MEASURED}'s scaled by the datasheet ratio of: {scaled}."]
+                  f"{MEASURED}'s scaled by the datasheet ratio of: {scaled}; a GPU without FP8 matmuls runs FP8 "
+                  f"recipes at its BF16 rate, and a power-limited one scales its peaks by the share its clocks "
+                  f"sustain. Fixed costs per call (launches, latencies) are kept as measured."]
     return "\n".join(lines)
