@@ -23,7 +23,7 @@ from models.config import MoEConfig
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class KernelFacts:
     """How the attention kernel lays out what it saves, which differs by device and compilation."""
 

@@ -130,7 +130,8 @@ def _backward_starts(work: Workload, gathered_trainable: int, sharded_grads: flo
 
     def saved(held: list[int]) -> float:
         outputs = len(held) * activations.stage_output_bytes(work) if pipelined else 0.0
-        return sum(per_stage[c] for c in held) + outputs + extra
+        # Each local stage's micro-batches held, counted (a schedule holds up to v x m of them).
+        return sum(per_stage[c] * held.count(c) for c in range(len(per_stage))) + outputs + extra
 
     yield saved(chunks), 0.0, "the start of backward"
     if work.num_microbatches == 1:
@@ -146,7 +147,12 @@ def _backward_starts(work: Workload, gathered_trainable: int, sharded_grads: flo
 
 def _stage_bytes(work: Workload, stage: Stage, kernel: KernelFacts) -> float:
     """One micro-batch of a stage."""
-    return sum(count * activations.block_bytes(work, block, mode, kernel) for block, mode, count in work.block_mix(stage))
+    par = work.layout.parallel
+    key = ("stage bytes", stage.index, par.recompute, par.full_recompute, work.tokens, kernel)
+    if key not in work.memo:
+        work.memo[key] = sum(count * activations.block_bytes(work, block, mode, kernel)
+                             for block, mode, count in work.block_mix(stage))
+    return work.memo[key]
 
 
 def _dispatch_buffers(work: Workload) -> float:
