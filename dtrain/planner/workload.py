@@ -171,9 +171,11 @@ class Workload:
         return self.memo[key]
 
     def _ends(self, stage: Stage) -> list[Unit]:
-        """The embedding and the head, where the stage has them."""
+        """The embedding and the head, where the stage has them. A last stage with the MTP layer
+        holds a copy of the embedding for it, which it also trains."""
         ends = []
-        if stage.first and not self.model_cfg.tie_embeddings:
+        holds_embed = stage.first or (stage.last and self.mtp_depth > 0)
+        if holds_embed and not self.model_cfg.tie_embeddings:
             ends.append(attrs.evolve(self.embed, resharded="embed" in self.layout.parallel.fsdp.resharded))
         if stage.last:
             ends.append(self.head)
