@@ -11,6 +11,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from models import masking
 from models.config import ClampedSwiGLU
@@ -106,7 +107,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _attention_with_sinks(q, k, v, sinks, dense, scale)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = k.shape[1] != q.shape[1]
-    if dense is None:
+    if dense is None and isinstance(q, FakeTensor) and v.shape[-1] < q.shape[-1]:
+        # Fake tensors (`--dry-run`) stand for the GPUs' fused kernels, which keep no scores; the
+        # CPU's fused kernel wants v as wide as q (MLA's is narrower), else the math path keeps
+        # every score: v is padded and the output cut back.
+        width = v.shape[-1]
+        v = F.pad(v, (0, q.shape[-1] - width))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)[..., :width]
+    elif dense is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa, scale=scale)
@@ -135,11 +143,12 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
     CUDA only: the CPU kernel is correct (tests/test_moe.py) but CPU runs are small and the
     loop is the simpler path there. The CUDA kernel wants 16-byte aligned rows, which for every
-    dtype here means embed and mlp widths that are multiples of 8.
+    dtype here means embed and mlp widths that are multiples of 8. Fake tensors (`--dry-run`) take
+    the GPUs' path: the loop reads the row counts, which they do not hold.
     """
     return (
         hasattr(F, "grouped_mm")
-        and x.is_cuda
+        and (x.is_cuda or isinstance(x, FakeTensor))
         and x.dtype in (torch.bfloat16, torch.float32)
         and all(w.dtype == x.dtype for w in weights)
         and all(size % 8 == 0 for w in weights for size in w.shape[1:])

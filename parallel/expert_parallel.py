@@ -46,6 +46,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 from models.context import ExpertBiases, grouped_swiglu
@@ -100,7 +101,7 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
     # received_counts, how many rows rank r sends for each of j's experts.
     received_counts = collectives.all_to_all(counts, None, None, group).view(ep, local_experts)
     send_and_receive = torch.stack([counts.view(ep, local_experts).sum(1), received_counts.sum(1)])
-    send_splits, receive_splits = send_and_receive.tolist()
+    send_splits, receive_splits = _split_sizes(send_and_receive, x.shape[0], ep)
     total_received = sum(receive_splits)
 
     received = collectives.all_to_all(x, receive_splits, send_splits, group)
@@ -114,6 +115,16 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
     out_received = out_by_expert[destination]
 
     return collectives.all_to_all(out_received, send_splits, receive_splits, group)
+
+
+def _split_sizes(send_and_receive: torch.Tensor, rows: int, ep: int) -> list[list[int]]:
+    """The rows this rank sends to each ep rank and receives from each, read on the host. Fake
+    tensors (`--dry-run`) hold no values: there each rank sends and receives rows / ep to and from
+    each, as balanced routing does."""
+    if isinstance(send_and_receive, FakeTensor):
+        even = [rows // ep + (rank < rows % ep) for rank in range(ep)]
+        return [even, even]
+    return send_and_receive.tolist()
 
 
 def _local_slot_order(all_expert_ids: torch.Tensor, rank: int, local_experts: int):

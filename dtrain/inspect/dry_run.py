@@ -38,7 +38,7 @@ from dtrain.inspect.dry_run_report import ProgramReport, StageCost, header_text,
 from dtrain.inspect.roles import Role, find_roles
 from dtrain.layout import RunLayout
 from dtrain.optim import build_optimizer
-from models import families
+from models import families, flops, mtp
 from models.llama import RESIDUAL
 from parallel import context_parallel, pipeline, precision
 from parallel.data_parallel import expert_parameters, rescale_expert_grads_, set_micro_batch_sync
@@ -168,10 +168,14 @@ class _Step:
         tokens = torch.randint(0, self.model_cfg.vocab_size, (d.micro_batch, d.seq_len))
         cp_rank = self.meshes.local_rank("cp")
         positions = context_parallel.load_balance_indices(d.seq_len, cp, cp_rank) if cp > 1 else torch.arange(d.seq_len)
+        depth = flops.mtp_depth(self.model_cfg)
+        # The tokens ahead that multi-token prediction reads, made from whole sequences.
+        future = {"mtp_targets": mtp.future_targets(tokens, depth)} if depth else {}
         if cp > 1:
             tokens = context_parallel.shard_sequence(tokens, cp, cp_rank)
+            future = {name: context_parallel.shard_sequence(t, cp, cp_rank) for name, t in future.items()}
         aux = families.make_aux(self.model_cfg, positions)
-        return tokens, attrs.evolve(aux, labels=tokens.clone())
+        return tokens, attrs.evolve(aux, labels=tokens.clone(), **future)
 
     def _measure(self, run) -> tuple[int, int]:
         """Runs `run()` (forward, then a function that runs the backward); returns the bytes the

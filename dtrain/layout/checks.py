@@ -242,9 +242,9 @@ def check_inputs(config: Config) -> None:
 
 def check_dry_run(config: Config, model_cfg) -> None:
     """What --dry-run cannot run on fake tensors yet."""
-    if isinstance(model_cfg, MoEConfig):
-        raise UserError(f"--dry-run does not run mixture-of-experts models yet ({config.model.model}): their "
-                        f"routing reads token counts that fake tensors do not hold; --print-plan shows the layout")
+    if isinstance(model_cfg, MoEConfig) and model_cfg.capacity_factor is not None:
+        raise UserError(f"--dry-run does not run capacity routing yet ({config.model.model}): which slots an expert "
+                        f"keeps depends on token values that fake tensors do not hold; drop capacity_factor")
     if model_cfg.sliding_window is not None or config.data.document_mask:
         raise UserError("--dry-run does not apply sliding windows or document masks yet: their masks are built "
                         "from token values that fake tensors do not hold; drop them for the dry run")
