@@ -112,3 +112,15 @@ def test_published_layouts_are_in_the_search():
     deep = search(Target(model="llama3-70b", gpus=64, seq_len=8192, global_batch=128, gpu="h100-sxm",
                          fixed=Fixed(mesh="pp=8,dp_shard=2,tp=4")))
     assert {c.config.parallel.pp_virtual_stages for c in deep} >= {1, 2, 3, 4, 5, 10}
+
+
+def test_refresh_writes_each_planner_output_that_a_page_shows(tmp_path, capsys):
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- python -m dtrain.planner --profiles -->\nstale\n<!-- end of python -m dtrain.planner -->\n"
+                    "between\n<!-- python -m dtrain.planner --model llama3-8b --gpus 8 --global-batch 16 --top 1 -->\n"
+                    "<!-- end of python -m dtrain.planner -->\nend\n")
+    assert planner_cli.main(["--refresh", str(page)]) == 0
+    text = page.read_text()
+    assert "stale" not in text and "| h800 | H800 SXM |" in text and "1. --mesh " in text
+    assert text.startswith("intro\n") and "\nbetween\n" in text and text.endswith("end\n")
+    assert capsys.readouterr().out.count("wrote the output of python -m dtrain.planner") == 2

@@ -63,7 +63,7 @@ def test_the_published_table_names_every_run_and_why_the_misses_miss(tmp_path):
 
 @pytest.mark.parametrize("line,message", [
     ('{"id": "x"', "is not a whole JSON line"),
-    ('{"id": "x", "model": "llama3-8b"}', "(x) lacks url, model_overrides"),
+    ('{"id": "x", "model": "llama3-8b"}', "the run x lacks url, model_overrides"),
 ])
 def test_a_bad_runs_file_is_one_clear_line(tmp_path, line, message):
     bad = tmp_path / "runs.jsonl"

@@ -10,19 +10,23 @@ evaluated, or the models against measured and published runs.
     python -m dtrain.planner --validate benchmarks/results.jsonl [--readme README.md]
     python -m dtrain.planner --published benchmarks/published_runs.jsonl [--readme docs/planner.md]
     python -m dtrain.planner --profiles                    # the GPU profiles and their rates
+    python -m dtrain.planner --refresh docs/planner.md     # every planner output a page shows, again
 
 `--mesh` fixes the mesh, and each of --micro-batch, --recompute, --recompute-layers,
 --pp-schedule, --pp-virtual-stages, --dp-mode, --fsdp-reshard-after-forward and --cpu-offload
 fixes that choice; the rest is searched. A fixed layout that fits in no way is still reported,
 with its memory per rank, as not fitting. With --readme, the output is also written into that
 file between the markers that name the same command (`<!-- python -m dtrain.planner ARGS -->` ...
-`<!-- end of python -m dtrain.planner -->`).
+`<!-- end of python -m dtrain.planner -->`); --refresh PAGE runs every command whose marker the page
+has and writes each output there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -90,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="predicted against published tokens/s of runs at scale (benchmarks/published_runs.jsonl)")
     parser.add_argument("--profiles", action="store_true", help="the GPU profiles: datasheet figures and rates")
     parser.add_argument("--readme", type=Path, help="also write the output into this file between its markers")
+    parser.add_argument("--refresh", type=Path, metavar="PAGE",
+                        help="run every planner command whose marker PAGE has and write its output there")
     return parser
 
 
@@ -97,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
+        if args.refresh:
+            for command in refresh(args.refresh):
+                print(f"wrote the output of {command} into {args.refresh}")
+            return 0
         text = run(args)
         if args.readme:
             without = [a for i, a in enumerate(argv) if a != "--readme" and (i == 0 or argv[i - 1] != "--readme")]
@@ -131,6 +141,18 @@ def run(args: argparse.Namespace) -> str:
     if args.json:
         return json.dumps([c.as_json() for c in candidates[:max(args.top, 1)]], indent=1)
     return candidates_text(target, candidates, args.top, seconds)
+
+
+def refresh(page: Path) -> list[str]:
+    """Runs each `python -m dtrain.planner ARGS` whose marker `page` has and writes its output
+    between that marker and the end marker after it; returns the commands."""
+    if not page.is_file():
+        raise UserError(f"--refresh {page}: no such file")
+    commands = re.findall(r"<!-- (python -m dtrain\.planner [^>]*?) -->", page.read_text())
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command)[3:])
+        write_into_readme(page, command, run(args))
+    return commands
 
 
 def target_of(args: argparse.Namespace) -> Target:

@@ -106,13 +106,14 @@ def setup_key(row: dict) -> tuple:
     return (row["shape"], row["gpus"], row["mesh"], row["micro_batch"], row["global_batch"], *run_options(row))
 
 
-def read_rows(path: Path) -> list[dict]:
-    """The JSON lines of a results file that `python -m tools.bench` wrote (other lines are comments)."""
+def read_rows(path: Path, what: str = "the JSON-lines file that python -m tools.bench wrote "
+                                     "(benchmarks/results.jsonl)") -> list[dict]:
+    """The JSON lines of a results file (`what`, for the error: by default the one that `python -m
+    tools.bench` wrote); other lines are comments."""
     try:
         text = path.read_text()
     except OSError as error:
-        raise UserError(f"{path}: {error.strerror}; give the JSON-lines file that python -m tools.bench wrote "
-                        f"(benchmarks/results.jsonl)") from None
+        raise UserError(f"{path}: {error.strerror}; give {what}") from None
     rows = []
     for number, line in enumerate(text.splitlines(), 1):
         if line.startswith("{"):

@@ -19,7 +19,6 @@ says).
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import attrs
 
 from dtrain.planner.candidates import Candidate, Fixed, Target
 from dtrain.planner.hardware import GIGA
+from dtrain.planner.measured import read_rows
 from dtrain.planner.search import search
 from models.errors import UserError
 
@@ -42,9 +42,9 @@ GAP_REASONS = {
                      "for tp's collectives and cast in kernels of their own, at the costs the H200 tp=2 and TE rows of "
                      "benchmarks/results.jsonl measure. The single-node Llama 3 8B row (no tp) shows the kernels' part"),
     "megatron-moe": ("under", "Megatron-Core runs the routed experts' grouped GEMMs in FP8 (dtrain's FP8 experts "
-                     "measured slower than its bf16 experts on an H200, so the planner plans bf16 experts) and hides "
-                     "ep's all-to-all behind the other micro-batch's compute, where dtrain's all-to-all sends a bf16 "
-                     "row per routed expert and waits for it"),
+                     "measured slower than its bf16 experts on an H200, so the planner plans bf16 experts), and its "
+                     "dispatchers send less or hide what dtrain's all-to-all, a bf16 row per routed expert, waits for "
+                     "(its waits beside each run)"),
     "megatron-small": ("over", "Megatron-Core's README puts its 41% MFU at 1.7B (47-48% from 7B up) down to the "
                        "smaller GEMMs; the run's micro-batch is not published, and the planner takes its fastest"),
     "torchtitan-2024": ("over", "TorchTitan's stack of December 2024 ran Llama 3.1 8B at 33-39% MFU on one node as on "
@@ -118,23 +118,12 @@ class PublishedRun:
 
 def read_runs(path: Path) -> list[PublishedRun]:
     """The runs of a JSON-lines file (lines that are not objects are comments)."""
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise UserError(f"{path}: {error.strerror}; give the published runs' JSON-lines file "
-                        f"(benchmarks/published_runs.jsonl)") from None
     runs = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.startswith("{"):
-            continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{path}:{number} is not a whole JSON line ({error.msg}); mend or delete that line") from None
+    for data in read_rows(path, "the published runs' JSON-lines file (benchmarks/published_runs.jsonl)"):
         missing = [key for key in PublishedRun.REQUIRED if key not in data]
         if missing:
-            raise UserError(f"{path}:{number} ({data.get('id', 'no id')}) lacks {', '.join(missing)}; every run "
-                            f"names them (null where the source does not publish a choice)")
+            raise UserError(f"{path}: the run {data.get('id', 'without an id')} lacks {', '.join(missing)}; every "
+                            f"run names them (null where the source does not publish a choice)")
         runs.append(PublishedRun(data))
     return runs
 
