@@ -149,5 +149,6 @@ def _units_to_reshard(num_layers: int, mesh: MeshSpec, mode: str, has_mtp: bool)
 
 
 @functools.lru_cache(maxsize=4096)
-def _full_recompute(blocks_per_stage: tuple[int, ...], num_layers: int) -> frozenset[str]:
-    return recompute.full_recompute_blocks(list(blocks_per_stage), num_layers)
+def _full_recompute(blocks_per_stage: tuple[int, ...], recompute_layers: int) -> frozenset[str]:
+    """The first `recompute_layers` blocks of each stage (--recompute-layers), fully recomputed."""
+    return recompute.full_recompute_blocks(list(blocks_per_stage), recompute_layers)
