@@ -146,7 +146,7 @@ PRESETS: dict[str, LlamaConfig | MoEConfig] = {
     ),
     # gpt-oss: attention sinks and biases, windows of 128 on even layers, biased experts with the
     # clamped SwiGLU. CPU tests: every part at the tiny scale (heads twice dim wide, a window of 16),
-    # the vocabulary the bundled tokenizer's, gpt-oss's YaRN. Parameter counts in tests/test_gpt_oss.py.
+    # the vocabulary the bundled tokenizer's, gpt-oss's YaRN. Parameter counts in tests/test_family_presets.py.
     "tiny-gpt-oss": GptOssConfig(
         dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=2048,
         num_experts=8, top_k=2, expert_ffn_dim=64, aux_loss_coef=0.001, layer_pattern="window-full",
@@ -164,7 +164,7 @@ PRESETS: dict[str, LlamaConfig | MoEConfig] = {
     ),
     # Llama 4 (text): chunked attention on RoPE layers, every fourth layer NoPE, sigmoid top-1
     # experts beside a shared one. CPU tests: chunks of 16, the temperature from position 31 on,
-    # Scout's RoPE scaling, the bundled tokenizer's vocabulary. Counts in tests/test_llama4.py.
+    # Scout's RoPE scaling, the bundled tokenizer's vocabulary. Counts in tests/test_family_presets.py.
     # Dense and MoE blocks alternating (Maverick's), with Scout's qk-norm.
     "tiny-llama4": Llama4Config(
         dim=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=2048, num_experts=4,
