@@ -18,6 +18,11 @@ once; the peak is then what stays through the step (parameters, gathered paramet
 + the activations held at the fullest point + the largest working memory of one backward beyond
 its own activations. The sends and receives between stages are counted from the activation each
 stage passes on. What is measured, and the text printed of it: `dry_run_report.py`.
+
+Fake tensors hold no values, so what a real step reads from its tokens is taken as a GPU step at
+its planned balance: routed experts run the grouped GEMM (`models.context.grouped_mm_supported`)
+and ep's all-to-all sends each rank an even share of the rows (`parallel.expert_parallel`); every
+layer attends causally, windows, chunks and document masks left out.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ def dry_run(layout: RunLayout) -> list[tuple[Role, ProgramReport]]:
     own refusals); returns each role with the report of its program."""
     started, cpu_started = time.perf_counter(), time.process_time()
     config, p, world_size = layout.config, layout.config.parallel, layout.world_size
+    if set(layout.model_cfg.layer_kinds) - {"full", "nope"} or config.data.document_mask:
+        # A mask is built from token values, which fake tensors do not hold; the masked kernels
+        # (FlexAttention's, the variable-length one) keep what the causal one keeps.
+        print("dry run: every layer attends causally: windows, chunks and document masks are left out (their "
+              "kernels keep the same tensors; they skip work)")
     if layout.parallel.compile:
         # Compiling the blocks on fake tensors would take longer than the run; a compiled block's
         # fusions only lower its activations.
