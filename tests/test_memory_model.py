@@ -66,6 +66,13 @@ CASES = [
     ("tiny", SMALL, ["--compile"], "none"),
     ("tiny", SMALL, ["--compile", "--recompute", "selective"], "selective"),
     ("tiny-moe", SMALL_MOE, [], "none"),
+    # Qwen3's qk-norm, with heads twice dim wide; gpt-oss's biases and clamped experts (without its
+    # sinks: their CPU form is the math reference, not the fused kernels the model counts); Llama 4's
+    # chunked layer with its weightless qk-norm, shared expert and input-scaled routing.
+    ("tiny-qwen3", SMALL + ",head_dim=128", [], "none"),
+    ("tiny-qwen3", SMALL + ",head_dim=128", ["--compile"], "none"),
+    ("tiny-gpt-oss", SMALL_MOE.replace("ffn_dim=1024", "ffn_dim=512") + ",head_dim=64,attention_sinks=false", [], "none"),
+    ("tiny-llama4", SMALL_MOE + ",dense_ffn_dim=2048,moe_layer_step=1,attention_chunk=32,floor_scale=16", [], "none"),
 ]
 
 

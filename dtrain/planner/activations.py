@@ -41,7 +41,7 @@ class KernelFacts:
 
 
 CUDA = KernelFacts(output_copies=1, eager_expands_kv=True, extra_outputs=0.7)
-CPU = KernelFacts(output_copies=2, eager_expands_kv=True, extra_outputs=0.0)
+CPU = KernelFacts(output_copies=2, eager_expands_kv=False, extra_outputs=0.0)
 
 
 def kernel_facts(layout) -> KernelFacts:
@@ -65,8 +65,8 @@ def block_bytes(work: Workload, block: int, mode: str, kernel: KernelFacts | Non
     """Saved bytes of one micro-batch of `block` on this rank under recompute `mode`."""
     kernel = kernel or kernel_facts(work.layout)
     t, p = work.config.train, work.config.parallel
-    key = ("saved", work.block_kinds[block], _saves_float8(work, block), mode, kernel, work.tokens, t.precision,
-           t.compile, t.fuse_projections, p.cp_comm)
+    key = ("saved", work.block_kinds[block], work.attention_kinds[block], _saves_float8(work, block), mode, kernel,
+           work.tokens, t.precision, t.compile, t.fuse_projections, p.cp_comm)
     if key not in work.memo:
         work.memo[key] = _block_bytes(work, block, mode, kernel)
     return work.memo[key]
@@ -88,6 +88,8 @@ def _block_bytes(work: Workload, block: int, mode: str, kernel: KernelFacts) -> 
     fp8 = _saves_float8(work, block)
     attention = _attention_per_token(work, mode, compiled, fp8, kernel, b, d, residual, q_width, kv_width, heads)
     total = work.tokens * (b * residual + attention)
+    if mode == "none":
+        total += work.tokens * _head_norms_per_token(work, block, compiled, b, q_width, kv_width)
     if work.is_moe(block):
         total += work.tokens / work.mesh_spec.tp * _moe_per_token(work, mode, compiled, b)
     else:
@@ -142,6 +144,18 @@ def _attention_per_token(work, mode, compiled, fp8, kernel, b, d, residual, q_wi
     return b * (d + q_width + 2 * kv_width + out) + lse + 8
 
 
+def _head_norms_per_token(work: Workload, block: int, compiled: bool, b: int, q_width: int, kv_width: int) -> float:
+    """Each query and key head RMS-normed (Qwen3's qk-norm before RoPE, Llama 4's weightless norm
+    after it, not in NoPE layers): eager keeps the fp32 input of each norm (and qk-norm its output
+    for the weight's gradient), compiled the input in the compute dtype; both the statistics."""
+    cfg = work.model_cfg
+    weighted = getattr(cfg, "qk_norm", False)
+    weightless = getattr(cfg, "qk_l2_norm", False) and work.attention_kinds[block] != "nope"
+    heads = (q_width + kv_width) / cfg.head_dim
+    per_norm = (b if compiled else 4 + (b if weighted else 0)) * (q_width + kv_width) + 4 * heads
+    return (weighted + weightless) * per_norm
+
+
 def _mlp_per_token(work, mode, compiled, fp8, b, d, residual, ffn) -> float:
     gathered_input = d if work.plan.sequence_parallel else 0.0
     if mode == "selective":
@@ -169,7 +183,9 @@ def _moe_per_token(work: Workload, mode: str, compiled: bool, b: int) -> float:
         # Eager keeps the router's probabilities, top-k and sort indices, the block's input once
         # and each routed row, all four SwiGLU tensors of a row, and the combine's two fp32 products.
         router = 12 * experts + 32 * k + 12
-        return (4 * d + router + b * d + b * rows * (d + 4 * f) + 8 * k * d
+        # gpt-oss's clamped unit keeps the clamps' inputs and one more product: 7 tensors of a row, not 4.
+        unit = 7 if cfg.expert_glu is not None else 4
+        return (4 * d + router + b * d + b * rows * (d + unit * f) + 8 * k * d
                 + (b * (d + 4 * shared) if shared else 0.0))
     return 4 * d + router + b * rows * (2 * d + 3 * f) + (b * (d + 3 * shared) if shared else 0.0)
 

@@ -170,7 +170,7 @@ def _workload_ceiling(work: Workload, hw: Hardware) -> Ceiling:
     for stage in work.stages:
         for block, mode, count in work.block_mix(stage):
             gemm += count * MATMULS_RUN[mode] * _gemm_seconds(work, block, hw)[0]
-            attention += count * MATMULS_RUN[mode] * _attention_seconds(work, hw) * work.repeats(block)
+            attention += count * MATMULS_RUN[mode] * _attention_seconds(work, block, hw) * work.repeats(block)
         if stage.last:
             gemm += _head_gemm_seconds(work, hw)[0] * (1 + work.mtp_depth)
     m, split = work.num_microbatches, work.layout.pipeline
@@ -244,8 +244,8 @@ def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple
     """One micro-batch of one block on this rank: compute and waited-for collectives per mesh dim."""
     mesh, t = work.mesh_spec, work.config.train
     gemm, casts = _gemm_seconds(work, block, hw)
-    attention = _attention_seconds(work, hw)
-    masked = work.config.data.document_mask or work.model_cfg.sliding_window
+    attention = _attention_seconds(work, block, hw)
+    masked = work.config.data.document_mask or any(work.attention_extent(block).values())
     if mesh.cp > 1 and work.config.parallel.cp_comm == "ring" and masked:
         attention *= hw.masked_ring_slowdown
     elementwise = (hw.elementwise_traffic * activations.block_bytes(work, block, "none")
@@ -299,31 +299,36 @@ def expert_rows(work: Workload) -> float:
     return work.tokens / work.mesh_spec.tp * cfg.top_k * work.mesh_spec.ep / cfg.num_experts
 
 
-def _attention_seconds(work: Workload, hw: Hardware) -> float:
-    """Causal attention: forward 4 FLOPs per query, key and query width over the keys before each
-    query (S/2 on average), backward twice that (the MFU convention's 12 L d S, models/flops.py,
-    halved);
-    slower over short keys (context-parallel blocks are S / 2cp long, windows and documents as
-    long as they are)."""
+def _attention_seconds(work: Workload, block: int, hw: Hardware) -> float:
+    """Causal attention of `block`: forward 4 FLOPs per query, key and query width over the keys
+    before each query (S/2 on average; fewer in windowed and chunked layers, whose kernels skip the
+    blocks outside), backward twice that (the MFU convention's 12 L d S, models/flops.py, halved);
+    slower over short keys (context-parallel blocks are S / 2cp long, windows, chunks and documents
+    as long as they are)."""
     d, mesh = work.config.data, work.mesh_spec
     documents = d.synthetic_document_length if d.document_mask else 0
+    window, chunk = work.attention_extent(block)["window"], work.attention_extent(block)["chunk"]
     q_width = math.ceil(work.model_cfg.num_heads / mesh.tp) * work.model_cfg.head_dim
-    flops = 12 * work.tokens * _mean_keys(d.seq_len, work.model_cfg.sliding_window, documents) * q_width
-    keys = min(d.seq_len / mesh.cp, work.model_cfg.sliding_window or d.seq_len, documents or d.seq_len)
+    flops = 12 * work.tokens * _mean_keys(d.seq_len, window, documents, chunk) * q_width
+    keys = min(d.seq_len / mesh.cp, window or d.seq_len, chunk or d.seq_len, documents or d.seq_len)
     rate = hw.attention_tflops * keys / (keys + hw.attention_half_seq)
     return flops / (rate * TERA)
 
 
-def _mean_keys(seq_len: int, window: int | None, document_length: int = 0) -> float:
+def _mean_keys(seq_len: int, window: int | None, document_length: int = 0, chunk: int | None = None) -> float:
     """Keys a causal query attends to on average: (S + 1) / 2, or fewer under a sliding window
-    (the kernels skip the blocks outside it) or within packed documents of random lengths with
-    mean `document_length` (the synthetic data's: each token starts a new document with
-    probability 1 / mean, so a query sees min(its document's age, its position) + 1 keys); with
-    both, the fewer."""
+    (the kernels skip the blocks outside it), within chunks of absolute positions (a query sees
+    its chunk's keys up to itself), or within packed documents of random lengths with mean
+    `document_length` (the synthetic data's: each token starts a new document with probability
+    1 / mean, so a query sees min(its document's age, its position) + 1 keys); with several, the
+    fewest."""
     if window is None or window >= seq_len:
         causal = (seq_len + 1) / 2
     else:
         causal = (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+    if chunk is not None and chunk < seq_len:
+        whole, rest = divmod(seq_len, chunk)
+        causal = min(causal, (whole * chunk * (chunk + 1) / 2 + rest * (rest + 1) / 2) / seq_len)
     if not document_length:
         return causal
     stay = 1 - 1 / document_length  # a token continues its document

@@ -21,8 +21,8 @@ import attrs
 
 from dtrain.config import Config
 from dtrain.layout import RunLayout
-from models import families, flops, mixtral, spec
-from models.config import MoEConfig
+from models import families, flops, masking, mixtral, spec
+from models.config import MoEConfig, layer_kind
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
 from parallel.precision import is_fp8_matmul_weight
@@ -81,6 +81,8 @@ class Workload:
     # Per global block: "dense" or "moe"; then, where the model has multi-token prediction, its
     # layer (all its modules) as one more block of kind "mtp-dense" or "mtp-moe".
     block_kinds: tuple[str, ...]
+    # Per global block (the MTP layer's too): the attention kind of its layer (models.config.LAYER_KINDS).
+    attention_kinds: tuple[str, ...]
     units_by_kind: dict[str, tuple[Unit, ...]]
     # Per block kind, each matmul weight: (shape on this rank, routed expert, logical axes).
     weights_by_kind: dict[str, tuple[tuple[tuple[int, ...], bool, tuple[str, ...]], ...]]
@@ -153,6 +155,10 @@ class Workload:
     def layer_name(self, block: int) -> str:
         return "mtp" if self.is_mtp(block) else f"blocks.{block}"
 
+    def attention_extent(self, block: int) -> dict[str, int | None]:
+        """The window and the chunk `block`'s attention is limited to (None: not limited)."""
+        return masking.mask_extent(self.model_cfg, masking.mask_kind(self.attention_kinds[block]))
+
     def reduces_once(self, unit: Unit) -> bool:
         """Whether `unit` sums its gradients whole over the step's micro-batches and reduces them
         after the last (the layout's decision per unit)."""
@@ -206,14 +212,15 @@ class Workload:
 
     def block_mix(self, stage: Stage) -> list[tuple[int, str, int]]:
         """(a block, its recompute mode, how many blocks of the stage are like it): blocks of one
-        kind and precision under one mode save and cost the same."""
+        kind, attention kind and precision under one mode save and cost the same."""
         par = self.layout.parallel
         key = ("mix", stage.index, par.recompute, par.full_recompute)
         if key not in self.memo:
             mix: dict[tuple, list] = {}
             for block in stage.blocks:
                 mode = par.recompute_of(self.layer_name(block))
-                entry = mix.setdefault((self.block_kinds[block], block in self.fp8_blocks, mode), [block, mode, 0])
+                like = (self.block_kinds[block], self.attention_kinds[block], block in self.fp8_blocks, mode)
+                entry = mix.setdefault(like, [block, mode, 0])
                 entry[2] += 1
             self.memo[key] = [tuple(entry) for entry in mix.values()]
         return self.memo[key]
@@ -229,7 +236,8 @@ def workload(layout: RunLayout, rank: int = 0) -> Workload:
     mtp = tuple(range(model_cfg.num_layers, len(kinds)))  # the MTP layer rides with the last stage
     stages = tuple(Stage(i, tuple(range(starts[i], starts[i] + counts[i])) + (mtp if i == len(counts) - 1 else ()),
                          i == 0, i == len(counts) - 1) for i in split.stage_ids(pp_rank))
-    return Workload(layout=layout, pp_rank=pp_rank, stages=stages, block_kinds=kinds, units_by_kind=units_by_kind,
+    return Workload(layout=layout, pp_rank=pp_rank, stages=stages, block_kinds=kinds,
+                    attention_kinds=_attention_kinds(model_cfg, len(kinds)), units_by_kind=units_by_kind,
                     weights_by_kind=weights_by_kind, embed=embed, head=head,
                     fp8_blocks=_block_indices(layout.parallel.fp8_layers))
 
@@ -237,6 +245,11 @@ def workload(layout: RunLayout, rank: int = 0) -> Workload:
 @functools.lru_cache(maxsize=256)
 def _block_indices(names: frozenset[str]) -> frozenset[int]:
     return frozenset(int(name.split(".")[1]) for name in names if name.startswith("blocks."))
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_kinds(model_cfg, num_blocks: int) -> tuple[str, ...]:
+    return tuple(layer_kind(model_cfg, i) for i in range(num_blocks))
 
 
 def _tables(plan: Plan, model_cfg):
