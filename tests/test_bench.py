@@ -98,7 +98,7 @@ def test_suite_runs_the_cpu_setup_and_appends_its_json_line(tmp_path):
     result = run_cli(["--gpus", "0", "--out", str(out)], module="tools.bench_suite")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     lines = out.read_text().splitlines()
-    assert len(lines) == 2 and json.loads(lines[1])["shape"] == "tiny"
+    assert [json.loads(line)["shape"] for line in lines[1:]] == ["tiny", "tiny-qwen3", "tiny-gpt-oss", "tiny-llama4"]
     assert "cpu tiny" in result.stdout and "tok/s/GPU" in result.stdout
 
 
@@ -107,13 +107,16 @@ def test_suite_selects_by_gpu_count_and_name():
 
     on_one = bench_suite.selected(1, [])
     assert on_one and all(bench_suite.SUITE[name][0] == 1 and not name.startswith("cpu") for name in on_one)
-    assert bench_suite.selected(0, []) == ["cpu tiny"]
+    assert bench_suite.selected(0, []) == ["cpu tiny", "cpu tiny-qwen3", "cpu tiny-gpt-oss", "cpu tiny-llama4"]
     cp_runs = bench_suite.selected(2, ["cp="])
     assert cp_runs and all("cp=" in name for name in cp_runs)
     for group, members in bench_suite.GROUPS.items():
         assert set(members) <= set(bench_suite.SUITE), f"{group}: {set(members) - set(bench_suite.SUITE)}"
-        assert bench_suite.selected(2, [], group) == members  # in the group's order
+        on_gpus = [name for name in members if not name.startswith("cpu")]
+        assert bench_suite.selected(2, [], group) == on_gpus  # in the group's order
+        assert bench_suite.selected(0, [], group) == [name for name in members if name.startswith("cpu")]
     assert bench_suite.selected(1, [], "targets") == []  # every target needs two GPUs
+    assert bench_suite.selected(1, [], "families") == bench_suite.selected(2, [], "families")  # one H200
     assert bench_suite.selected(2, ["70b"], "tp-overlap") == [
         "llama-70b-4l dp=2", "llama-70b-4l tp=2", "llama-70b-4l tp=2 sp", "llama-70b-4l tp=2 sp unfused"]
 

@@ -50,6 +50,8 @@ def _overrides(*groups: list[str]) -> list[str]:
 
 SUITE: dict[str, tuple[int, list[str]]] = {
     "cpu tiny": (1, ["--shape", "tiny", "--steps", "3", "--warmup", "1", "--", "--precision", "fp32"]),
+    **{f"cpu {shape}": (1, ["--shape", shape, "--steps", "3", "--warmup", "1", "--", "--precision", "fp32"])
+       for shape in ("tiny-qwen3", "tiny-gpt-oss", "tiny-llama4")},
     "llama-1b single": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile"]),
     "llama-1b single fp8": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile", "--fp8", "tensorwise"]),
     "llama-1b single fp8 head": (1, ["--shape", "llama-1b", *STEPS, "--", "--compile", "--fp8", "tensorwise",
@@ -161,6 +163,18 @@ SUITE: dict[str, tuple[int, list[str]]] = {
         1, ["--shape", "deepseek-v2-lite", *STEPS, "--", "--compile", "--global-batch", "8", "--micro-batch", str(mb),
             *_overrides(["num_layers=7"], balance)])
        for mb in (2, 4) for routing, balance in (("", []), (" balanced", ["force_load_balance=true"]))},
+    # Today's families on one H200, bf16 and FP8 (torchao's, on the attention; experts stay bf16):
+    # Qwen3-8B's first 8 layers; gpt-oss-20b's first 4 (all 32 experts: its 8 layers' fp32 weights
+    # and AdamW state alone are ~125 GB) and Llama-4-Scout's first 2 (all 16 experts, ~35 GB of
+    # state a layer), routed by their routers and with every expert given the same load.
+    **{f"qwen3-8b single layers=8{name}": (1, ["--shape", "qwen3-8b", *STEPS, "--", "--compile",
+                                               "--model-overrides", "num_layers=8", *fp8])
+       for name, fp8 in (("", []), (" fp8", ["--fp8", "tensorwise"]))},
+    **{f"{shape} single layers={layers}{name}": (1, ["--shape", shape, *STEPS, "--", "--compile",
+                                                     *_overrides([f"num_layers={layers}"], balance), *fp8])
+       for shape, layers in (("gpt-oss-20b", 4), ("llama4-scout", 2))
+       for name, balance, fp8 in (("", [], []), (" balanced", ["force_load_balance=true"], []),
+                                  (" balanced fp8", ["force_load_balance=true"], ["--fp8", "tensorwise"]))},
 }
 
 # Setups measured side by side, each group in one `--group` run.
@@ -179,6 +193,8 @@ GROUPS: dict[str, list[str]] = {
                 "mixtral-small dp=2,ep=2 allgather te delayed", "llama-8b tp=2 sp fp8", "llama-8b tp=2 sp te delayed"],
     # What one H200 measures of DeepSeek: MLA beside GQA, and DeepSeek layers.
     "deepseek-one-gpu": ["attention gqa and mla", *(name for name in SUITE if name.startswith("deepseek-v2-lite single"))],
+    # Qwen3, gpt-oss and Llama 4 on one H200 (`--gpus 0`: their tiny presets on the CPU, a smoke test).
+    "families": [*(name for name in SUITE if name.startswith(("cpu tiny-", "qwen3-", "gpt-oss-", "llama4-")))],
     "loss-chunks": ["llama-1b single", "llama-1b single fp8 head", "llama-8b dp=2", "llama-8b dp=2 fp8 head",
                     *(name for name in SUITE if "loss-chunks" in name or "micro-batch" in name)],
 }

@@ -13,8 +13,15 @@ SHAPES = {
     # which leaves little of an H200 for activations; `--model-overrides num_layers=14` keeps the
     # shape of each layer at half the depth.
     "deepseek-v2-lite": ["--model", "deepseek-v2-lite", "--seq-len", "4096", "--micro-batch", "1"],
+    # Today's families at their published widths; the suite sets how many layers fit one GPU.
+    "qwen3-8b": ["--model", "qwen3-8b", "--seq-len", "8192", "--micro-batch", "2"],
+    "gpt-oss-20b": ["--model", "gpt-oss-20b", "--seq-len", "4096", "--micro-batch", "4"],
+    "llama4-scout": ["--model", "llama4-scout-17b-16e", "--seq-len", "8192", "--micro-batch", "1"],
     "tiny": ["--model", "tiny", "--seq-len", "256", "--micro-batch", "4"],
+    "tiny-qwen3": ["--model", "tiny-qwen3", "--seq-len", "256", "--micro-batch", "4"],
+    "tiny-gpt-oss": ["--model", "tiny-gpt-oss", "--seq-len", "256", "--micro-batch", "4"],
+    "tiny-llama4": ["--model", "tiny-llama4", "--seq-len", "256", "--micro-batch", "4"],
 }
 
 # The shapes small enough to run on a CPU (a smoke test of the tool, not a measurement).
-CPU_SHAPES = ("tiny",)
+CPU_SHAPES = ("tiny", "tiny-qwen3", "tiny-gpt-oss", "tiny-llama4")
