@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from dtrain.diagnose.journal import JournalWriter
 from models.moe import RouterStats
 from models.mtp import MTPStats
 
@@ -97,13 +98,16 @@ def log_file(path: Path, enabled: bool):
 
 
 class MetricsLogger:
-    """Console lines on rank 0 and TensorBoard scalars under `run_dir/tensorboard`."""
+    """Console lines on rank 0, TensorBoard scalars under `run_dir/tensorboard`, and the journal
+    that `python -m dtrain.diagnose` reads (`run_dir/metrics.jsonl`: each step's line and the
+    run's events)."""
 
     def __init__(self, run_dir: Path, enabled: bool, peak: float | None, device: torch.device,
                  start_step: int = 0):
         self.enabled = enabled
-        self.writer = None
+        self.writer = self.journal = None
         if enabled:
+            self.journal = JournalWriter(run_dir)
             from torch.utils.tensorboard import SummaryWriter
 
             # A resumed run drops the events a previous run logged after its checkpoint.
@@ -118,8 +122,15 @@ class MetricsLogger:
             return
         for name, value in scalars.items():
             self.writer.add_scalar(name, value, step)
+        self.journal.step(step, scalars)
         if console:
             logger.info(format_line(step, total_steps, scalars))
+
+    def event(self, kind: str, step: int, **fields) -> None:
+        """A line of the journal for something that happened at `step` (a start, a skipped update,
+        a straggler check); rank 0's only."""
+        if self.enabled:
+            self.journal.event(kind, step, **fields)
 
     def flush(self) -> None:
         """Onto the disk now: a checkpoint flushes the steps before it, so that a run killed later
@@ -130,6 +141,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.journal.close()
 
 
 def format_line(step: int, total_steps: int, s: dict[str, float]) -> str:

@@ -16,6 +16,7 @@ from dtrain import distributed
 from dtrain.checkpoint.checkpointer import Checkpointer
 from dtrain.config import to_toml
 from dtrain.data import TokenDataset
+from dtrain.diagnose import journal
 from dtrain.distributed import Runtime
 from dtrain.layout import RunLayout
 from dtrain.metrics import MetricsLogger, mtp_scalars, peak_flops, peak_memory_gb, router_scalars
@@ -116,6 +117,8 @@ class Trainer:
         self.flops_per_token = flops.flops_per_token(self.model_cfg, d.seq_len)
         self.metrics = MetricsLogger(self.run_dir, runtime.is_main, self.peak_flops, runtime.device,
                                      start_step=self.step)
+        if runtime.is_main:
+            self.metrics.event("start", self.step, **journal.start_fields(layout, runtime.device))
         self.faults = FaultInjector(runtime.rank, self.run_dir)
         self.stragglers = Stragglers(self.model_parts, t.straggler_every, runtime.device,
                                      stage=meshes.local_rank("pp"), is_main=runtime.is_main)
@@ -204,6 +207,7 @@ class Trainer:
             self.step, d.global_batch, d.micro_batch, self.dp_rank, self.mesh_spec.dp_size,
             first_sample=self.consumed_samples,
         )
+        data_s = time.perf_counter() - launched_at
         attended_pairs = self.inputs.attended_pairs(micro_batches)
         self.stragglers.arm(self.step + 1)
         loss_sum = self.forward_backward(micro_batches, self.faults.loss_factor(self.step + 1))
@@ -246,14 +250,18 @@ class Trainer:
             done = torch.cuda.Event()
             done.record()
         return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats, decision,
-                            totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp), compute_spans, done, mtp_stats)
+                            totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp), compute_spans, done, mtp_stats,
+                            data_s)
 
     def _read_back(self, launched: "LaunchedStep", at_once: bool = False) -> dict[str, float]:
         """The scalars of a launched step (waits for it). Its time runs from the previous step's
         read-back, or from its own launch if later (after an evaluation or a save), so in steady
         state it is the device's time per step. A step read back `at_once` after its launch (the
         last, or before an evaluation or a save) is timed from its launch: where launching waits
-        for the device, the previous read-back came after this step had finished."""
+        for the device, the previous read-back came after this step had finished. The time the
+        host waits here for the device, beside the time it took to build the step's batches, tells
+        a step the host holds up from one the device does."""
+        waited_from = time.perf_counter()
         if launched.done is not None:
             launched.done.synchronize()
         decision = launched.decision
@@ -263,14 +271,18 @@ class Trainer:
              launched.attended_pairs.float()]).tolist()
         loss = loss_sum / self.global_tokens
         now = time.perf_counter()
+        waited = now - waited_from
         elapsed = now - (launched.launched_at if at_once else max(self._last_read_back, launched.launched_at))
         self._last_read_back = now
-        self.guard.record(launched.step, bool(skipped), loss, grad_norm, median)
+        skip = self.guard.record(launched.step, bool(skipped), loss, grad_norm, median)
+        if skip is not None:
+            self.metrics.event("skip", launched.step, reason=skip, median=median)
         tokens_per_sec_per_gpu = self.global_tokens / elapsed / self.runtime.world_size
         scalars = {
             "train/loss": loss, "train/lr": launched.lr, "train/grad_norm": grad_norm,
             "train/skipped": skipped, "train/skipped_steps": self.guard.total_skipped,
-            "perf/tokens_per_sec_per_gpu": tokens_per_sec_per_gpu,
+            "perf/tokens_per_sec_per_gpu": tokens_per_sec_per_gpu, "perf/step_s": elapsed,
+            "perf/data_s": launched.data_s, "perf/device_wait_s": waited,
             "mem/peak_gb": peak_memory_gb(self.runtime.device),
         }
         if launched.router_stats is not None:
@@ -281,7 +293,9 @@ class Trainer:
         attended_keys = attended_pairs / self.global_tokens
         scalars["perf/attended_keys_per_token"] = attended_keys
         if launched.compute_spans is not None:
-            scalars["perf/straggler_ratio"] = self.stragglers.check(launched.step, launched.compute_spans)
+            ratio, seconds, stages = self.stragglers.check(launched.step, launched.compute_spans)
+            scalars["perf/straggler_ratio"] = ratio
+            self.metrics.event("straggler_check", launched.step, seconds=seconds, stages=stages)
         if self.watchdog is not None:
             self.watchdog.step_done(launched.step, elapsed)
         if self.peak_flops is not None:
@@ -374,3 +388,4 @@ class LaunchedStep:
     compute_spans: list | None = None  # the layers' forward times of a straggler check
     done: torch.cuda.Event | None = None  # recorded after the step's last kernel (GPUs)
     mtp_stats: mtp.MTPStats | None = None
+    data_s: float = 0.0  # the host's time building the step's batches

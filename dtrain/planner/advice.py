@@ -12,10 +12,10 @@ import torch
 
 from dtrain.config import Config
 from dtrain.layout import Machine, RunLayout, resolve
-from dtrain.planner import memory
+from dtrain.planner import memory, steptime
 from dtrain.planner.hardware import GIGA
 from dtrain.planner import gpus
-from dtrain.planner.candidates import Candidate, Target, fp8_flags
+from dtrain.planner.candidates import Candidate, Fixed, Target, fp8_flags
 from dtrain.planner.search import nothing_fits, search
 from models.errors import UserError
 from parallel.mesh import MeshSpec
@@ -98,6 +98,26 @@ def summary(candidate: Candidate) -> str:
             f"{candidate.tokens_per_sec_per_gpu:,.0f} tokens/s/GPU)")
 
 
+def evaluate(layout: RunLayout, target: Target | None = None) -> Candidate:
+    """The planner's view of the run of `layout` as it was resolved (`fits` False where it predicts
+    no fit): memory per rank and step time on `target`'s GPU (default: this machine's, as
+    `target_of`). Nothing is resolved or checked again."""
+    target = target or target_of(layout.config, layout.world_size)
+    hw = target.hardware
+    peak, _ = memory.predict_peak(layout)
+    fits = peak.total <= hw.gpu_memory_bytes and peak.host <= hw.host_bytes_per_gpu
+    return Candidate(layout, peak, steptime.predict_step(layout, hw), target.gpus, target.gpus_per_node, target.gpu,
+                     fits)
+
+
+def nearest_fit(layout: RunLayout, target: Target) -> Candidate | None:
+    """The layout that fits `target` and changes the fewest settings of `layout`, the fastest of
+    those; None where nothing fits."""
+    fits = search(attrs.evolve(target, fixed=Fixed()))
+    return min(fits, key=lambda c: (_distance(c, layout.config, layout.mesh), -c.tokens_per_sec_per_gpu),
+               default=None)
+
+
 def _distance(candidate: Candidate, config: Config, mesh: MeshSpec) -> int:
     """How many settings a candidate changes: each mesh size, the micro-batch, recompute, offload."""
     c, theirs = candidate.config, candidate.layout.mesh
@@ -120,14 +140,13 @@ def out_of_memory_report(layout: RunLayout, rank: int, error: BaseException) -> 
         predicted = memory.predict(layout, rank)
         lines.append(f"  predicted for this rank: {predicted.lines()[0].replace(' GB at', f' of {limit:g} GB at', 1)}")
         target = target_of(config, world_size)
-        fits = search(target)
+        nearest = nearest_fit(layout, target)
     except UserError as planner_error:
         lines.append(f"  the planner cannot say more: {planner_error}")
         return "\n".join(lines)
-    if not fits:
+    if nearest is None:
         lines.append(f"  {nothing_fits(target)}")
         return "\n".join(lines)
-    nearest = min(fits, key=lambda c: (_distance(c, config, layout.mesh), -c.tokens_per_sec_per_gpu))
     lines.append(f"  nearest layout that fits: {summary(nearest)}")
     fp8 = "".join(f" {flag}" for flag in fp8_flags(target))
     lines.append(f"  python -m dtrain.planner --model {target.model} --gpus {world_size} --gpu-memory-gb {limit:g} "

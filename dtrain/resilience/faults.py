@@ -3,9 +3,11 @@
     DTRAIN_FAULT=crash@step5               every rank dies at step 5 (as from SIGKILL)
     DTRAIN_FAULT=hang@rank1:step3          rank 1 stops responding at step 3 (SIGSTOP)
     DTRAIN_FAULT=nan@step4,spike@rank0:step7
+    DTRAIN_FAULT=oom@rank1:step2           rank 1 raises torch.OutOfMemoryError at step 2
 
-KIND is `crash`, `hang`, `nan` (the step's loss, and so its gradients, become NaN) or `spike` (the
-step's loss is multiplied by 100). A fault fires the first time its step runs: it leaves a marker
+KIND is `crash`, `hang`, `nan` (the step's loss, and so its gradients, become NaN), `spike` (the
+step's loss is multiplied by 100) or `oom` (the step raises CUDA's out-of-memory error, as an
+allocation that does not fit would). A fault fires the first time its step runs: it leaves a marker
 in the run directory before it acts, so a run restarted from an earlier checkpoint passes the
 same step without the fault again. Step S is the S-th optimizer step (the one logged as step S).
 """
@@ -18,11 +20,12 @@ import signal
 from pathlib import Path
 
 import attrs
+import torch
 
 from models.errors import UserError
 
 ENV = "DTRAIN_FAULT"
-KINDS = ("crash", "hang", "nan", "spike")
+KINDS = ("crash", "hang", "nan", "spike", "oom")
 SPIKE_FACTOR = 100.0
 MARKERS = "faults"  # under the run directory
 _ENTRY = re.compile(r"^(?P<kind>[a-z]+)@(?:rank(?P<rank>\d+):)?step(?P<step>\d+)$")
@@ -83,8 +86,10 @@ class FaultInjector:
         return due
 
     def at_step_start(self, step: int) -> None:
-        for fault in self._take(step, ("crash", "hang")):
+        for fault in self._take(step, ("crash", "hang", "oom")):
             print(f"dtrain: fault injection: {fault.name} on rank {self.rank}", flush=True)
+            if fault.kind == "oom":
+                raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {ENV}={fault.name})")
             os.kill(os.getpid(), signal.SIGKILL if fault.kind == "crash" else signal.SIGSTOP)
 
     def loss_factor(self, step: int) -> float:

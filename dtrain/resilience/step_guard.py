@@ -68,15 +68,17 @@ class StepGuard:
             self.num_recent.copy_(torch.clamp(self.num_recent + keep.long(), max=self.window))
         return Decision(skip.float(), median)
 
-    def record(self, step: int, skipped: bool, loss: float, grad_norm: float, median: float) -> None:
+    def record(self, step: int, skipped: bool, loss: float, grad_norm: float, median: float) -> str | None:
         """The host's account of a step read back: logs a skip, and stops the run with a one-line
-        error once `max_skipped_steps` steps in a row were skipped (every rank raises the same)."""
+        error once `max_skipped_steps` steps in a row were skipped (every rank raises the same).
+        Returns why the step was skipped ("non-finite" or "spike"), None where it was not."""
         if not skipped:
             self.in_a_row = 0
-            return
+            return None
         self.skipped_steps.append(step)
         self.in_a_row += 1
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if not finite:
             reason = f"loss {loss:.4g}, gradient norm {grad_norm:.4g}"
         else:
             reason = f"loss spike: {loss:.4f} > {self.spike_factor:g} x median {median:.4f}"
@@ -88,6 +90,7 @@ class StepGuard:
             raise UserError(f"steps {first}-{step} were all skipped ({reason} at step {step}): training does not "
                             f"recover; resume from an earlier checkpoint with a lower --lr, check the data, or "
                             f"raise --max-skipped-steps {self.max_skipped_steps}")
+        return "spike" if finite else "non-finite"
 
     def state_dict(self) -> dict:
         """JSON-able, exact: fp32 losses survive the round trip through Python floats."""

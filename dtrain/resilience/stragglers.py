@@ -136,12 +136,12 @@ class Stragglers:
     def take(self) -> list[tuple] | None:
         return self.timer.take()
 
-    def check(self, step: int, spans: list[tuple]) -> float:
+    def check(self, step: int, spans: list[tuple]) -> tuple[float, list[float], list[int]]:
         """Every rank's compute time of step `step`; rank 0 warns of a rank that stays slow.
-        Returns the slowest / median ratio."""
+        Returns the slowest / median ratio, and every rank's seconds and pipeline stage."""
         seconds, stages = gather(StragglerTimer.seconds(spans), self.stage)
         ratio, warnings = self.report.check(step, seconds, stages)
         if self.is_main:
             for warning in warnings:
                 logger.warning(warning)
-        return ratio
+        return ratio, seconds, stages
