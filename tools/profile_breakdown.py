@@ -4,6 +4,7 @@ category, and each category's time over the profiled wall time.
     activities = profile_activities(prof.profiler.kineto_results.events())
     result = breakdown(activities, steps=3)
     print(result.table())
+    activities = trace_activities(json.load(open(PATH)))   # a trace prof.export_chrome_trace(PATH) wrote
 
 A kernel's category comes from its name where the name tells (cuBLAS, CUTLASS and nvjet GEMMs,
 cuDNN, flash and flex attention, inductor's triton kernels, NCCL), else from the `record_function`
@@ -169,6 +170,71 @@ def profile_activities(events) -> list[Activity]:
         launched_by = by_id.get(event.linked_correlation_id())
         activities.append(Activity(name, *_times_us(event), classify(name, _range_of(launched_by, forward))))
     return activities
+
+
+# The Chrome trace's categories of host records (ops, ranges) and device records (kernels,
+# copies, the GPU's view of ranges).
+_TRACE_HOST = {"cpu_op", "user_annotation"}
+_TRACE_DEVICE = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
+
+
+class _TraceEvent:
+    """A record of an exported trace, read through the methods of the profiler's raw events that
+    `profile_activities` calls. An op and the kernels it launched share an "External id"."""
+
+    def __init__(self, record: dict, thread: int):
+        self.record, self.args, self.thread = record, record.get("args") or {}, thread
+        self.on_device = record.get("cat") in _TRACE_DEVICE
+
+    def name(self) -> str:
+        return self.record["name"]
+
+    def device_type(self):
+        from torch.autograd import DeviceType
+
+        return DeviceType.CUDA if self.on_device else DeviceType.CPU
+
+    def is_async(self) -> bool:
+        return False
+
+    def start_thread_id(self) -> int:
+        return self.thread
+
+    end_thread_id = start_thread_id
+
+    def correlation_id(self) -> int:
+        return 0 if self.on_device else int(self.args.get("External id", 0))
+
+    def linked_correlation_id(self) -> int:
+        return int(self.args.get("External id", 0)) if self.on_device else 0
+
+    def sequence_nr(self) -> int:
+        return int(self.args.get("Sequence number", -1))
+
+    def fwd_thread_id(self) -> int:
+        return int(self.args.get("Fwd thread id", 0))
+
+    def is_user_annotation(self) -> bool:
+        return self.record.get("cat") == "gpu_user_annotation"
+
+    def start_ns(self) -> int:
+        return round(self.record["ts"] * 1e3)
+
+    def duration_ns(self) -> int:
+        return round(self.record["dur"] * 1e3)
+
+
+def trace_activities(trace: dict) -> list[Activity]:
+    """`profile_activities` of a trace torch.profiler exported (`export_chrome_trace`, or
+    TensorBoard's trace handler). Its threads are numbered in the order their first op starts,
+    as the profiler numbers them (a backward node's "Fwd thread id" names its forward's thread)."""
+    records = sorted((r for r in trace.get("traceEvents", []) if r.get("ph") == "X" and "dur" in r
+                      and r.get("cat") in _TRACE_HOST | _TRACE_DEVICE), key=lambda r: r["ts"])
+    threads: dict = {}
+    for record in records:
+        if record["cat"] in _TRACE_HOST:
+            threads.setdefault(record["tid"], len(threads) + 1)
+    return profile_activities([_TraceEvent(r, threads.get(r["tid"], 0)) for r in records])
 
 
 def _nest(ops: list[_Op]) -> None:
