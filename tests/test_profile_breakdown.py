@@ -8,7 +8,7 @@ from torch.autograd import DeviceType
 
 from dtrain.trainer import CLIP_RANGE
 from parallel.modules import LOSS_RANGE
-from tools.profile_breakdown import breakdown, classify, profile_activities
+from tools.profile_breakdown import breakdown, classify, profile_activities, trace_activities
 
 # As torch.profiler (CUPTI) names them on Hopper, from cuBLAS(Lt), CUTLASS, cuDNN, torch's flash and
 # memory-efficient kernels, inductor, NCCL and ATen.
@@ -211,6 +211,46 @@ def test_a_cpu_run_counts_named_ops_whole_and_other_ops_where_they_call_none():
         ("aten::linear", "gemm"), ("aten::mul", "loss"), ("aten::_log_softmax", "loss"), ("aten::view", "other")]
     result = breakdown(activities, steps=1)
     assert result.exclusive_us["gemm"] == 100 and result.exclusive_us["loss"] == 89 and result.idle_us == 6
+
+
+def _profiled_step(device: str, trace_path):
+    """A matmul, a loss range and its backward under the profiler: (the live profile's activities,
+    those of the trace it exported)."""
+    import json
+
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if device == "cuda" else [])
+    x = torch.randn(256, 256, device=device, requires_grad=True)
+    with torch.profiler.profile(activities=activities) as prof:
+        y = x @ x
+        with torch.profiler.record_function(LOSS_RANGE):
+            loss = (y.sin() * 3).sum()
+        loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace_path))
+    return (profile_activities(prof.profiler.kineto_results.events()),
+            trace_activities(json.loads(trace_path.read_text())))
+
+
+def test_an_exported_trace_gives_what_the_live_profile_gives(tmp_path):
+    live, traced = _profiled_step("cpu", tmp_path / "trace.json")
+    assert {a.category for a in live} >= {"gemm", "loss"}
+    # The same ops and categories, and their times within a microsecond (the trace has its own clock origin).
+    assert [(a.name, a.category) for a in traced] == [(a.name, a.category) for a in live]
+    for a, b in zip(live, traced):
+        assert b.start - traced[0].start == pytest.approx(a.start - live[0].start, abs=1.0)
+        assert b.end - b.start == pytest.approx(a.end - a.start, abs=1.0)
+
+
+@pytest.mark.gpu
+def test_an_exported_gpu_trace_gives_what_the_live_profile_gives(tmp_path):
+    _profiled_step("cuda", tmp_path / "warm-up.json")  # cuBLAS handles, workspaces
+    live, traced = _profiled_step("cuda", tmp_path / "trace.json")
+    assert {a.category for a in live} >= {"gemm", "loss"}
+    assert sorted((a.name, a.category) for a in traced) == sorted((a.name, a.category) for a in live)
 
 
 @pytest.mark.gpu
