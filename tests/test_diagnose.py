@@ -275,3 +275,32 @@ def test_every_start_of_a_run_is_in_the_journal(tmp_path):
     assert [(s["step"], s["loss"]) for s in record.steps] == [(1, 9.0), (2, 8.0), (3, 6.5)]
     assert math.isnan(record.steps[0]["grad_norm"]) and record.steps[2]["grad_norm"] == math.inf
     assert len(record.starts) == 2 and attrs.astuple(record.restarts[0])[:3] == (2, 3, (0, 1))
+
+
+def _block(page: str, example: str) -> str:
+    from tools.diagnose_example import END_MARKER
+
+    begin = f"<!-- python -m tools.diagnose_example {example} -->\n"
+    assert begin in page, f"docs/troubleshooting.md has no {begin.strip()}"
+    text = page.split(begin, 1)[1].split(END_MARKER, 1)[0].strip()
+    return text.removeprefix("```text\n").removesuffix("\n```")
+
+
+def test_the_troubleshooting_page_shows_what_diagnose_prints(tmp_path):
+    """The page's CPU example reads as diagnose prints it today (its measured numbers aside), and
+    its table of thresholds is diagnose's."""
+    import re
+
+    from tests.launch import REPO
+    from tools.diagnose_example import CPU_ARGS, CPU_FAULTS, cpu_text, thresholds_table
+
+    page = (REPO / "docs" / "troubleshooting.md").read_text()
+    assert _block(page, "thresholds") == thresholds_table()
+    result = run_cli([*CPU_ARGS, "--run-dir", str(tmp_path)], env={"DTRAIN_FAULT": CPU_FAULTS})
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def masked(text: str) -> list[str]:
+        return [re.sub(r"\d[\d,.]*", "#", line) for line in text.splitlines()]
+
+    assert masked(_block(page, "cpu")) == masked(cpu_text(tmp_path)), \
+        "regenerate it: python -m tools.diagnose_example cpu --readme docs/troubleshooting.md"

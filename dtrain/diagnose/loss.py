@@ -22,7 +22,9 @@ GROWTH_RATIO = 2.0
 # After warm-up, over at least TREND_STEPS updated steps: the last quarter's median loss against the first's.
 TREND_STEPS = 20
 RISING = 1.05
-FLAT = 0.01  # less than 1% lower, while still within 10% of the first loss: nothing learnt
+# Flat: less than FLAT below, while still above FLAT_NEAR_START x the first step's loss (nothing learnt).
+FLAT = 0.01
+FLAT_NEAR_START = 0.9
 MAX_EVENTS = 4  # event lines shown
 
 
@@ -143,7 +145,7 @@ def _trend(record: RunRecord, findings: list[Finding]) -> list[str]:
         findings.append(Finding("loss", "rising", f"the loss rose after warm-up ({early:.4g} -> {late:.4g})",
                                 flags=f"--lr {o.lr / 2:g} --warmup-steps {max(2 * o.warmup_steps, 1)}"))
         return [f"{text}: rising; remedy: {findings[-1].flags}"]
-    if late > (1 - FLAT) * early and late > 0.9 * first:
+    if late > (1 - FLAT) * early and late > FLAT_NEAR_START * first:
         findings.append(Finding("loss", "flat", f"the loss is flat after warm-up at {late:.4g}, near its start "
                                 f"{first:.4g}: check the data, and --lr {o.lr:g}"))
         return [f"{text}: flat"]

@@ -64,9 +64,8 @@ class RunRecord:
     @property
     def target(self) -> Target:
         """The planner's target for this run's model, data shape and GPUs (no choice fixed)."""
-        base = advice.target_of(self.config, self.world_size)
-        return attrs.evolve(base, gpu=self.gpu, gpu_memory_gb=self.gpu_memory_gb,
-                            gpus_per_node=int(self.start.get("gpus_per_node", base.gpus_per_node)))
+        return advice.target_of(self.config, self.world_size, gpu=self.gpu, memory_gb=self.gpu_memory_gb,
+                                per_node=int(self.start.get("gpus_per_node", 8)))
 
     @property
     def steps(self) -> list[dict]:

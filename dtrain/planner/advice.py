@@ -43,11 +43,15 @@ def gpus_per_node() -> int:
     return torch.cuda.device_count() or 8
 
 
-def target_of(config: Config, world_size: int) -> Target:
+def target_of(config: Config, world_size: int, gpu: str | None = None, memory_gb: float | None = None,
+              per_node: int | None = None) -> Target:
+    """The planner's target for `config`'s model and data shape on `world_size` GPUs: `gpu`,
+    `memory_gb` and `per_node` where given, else this machine's."""
     d, t = config.data, config.train
     return Target(model=config.model.model, model_overrides=config.model.model_overrides, gpus=world_size,
                   seq_len=d.seq_len, global_batch=d.global_batch or d.micro_batch * world_size,
-                  gpu=gpus.detect(), gpu_memory_gb=gpu_memory_gb(config), gpus_per_node=gpus_per_node(), fp8=t.fp8,
+                  gpu=gpu or gpus.detect(), gpu_memory_gb=memory_gb or gpu_memory_gb(config),
+                  gpus_per_node=per_node or gpus_per_node(), fp8=t.fp8,
                   fp8_backend=t.fp8_backend, fp8_head=t.fp8_head, fp8_experts=t.fp8_experts,
                   loss_chunk_tokens=t.loss_chunk_tokens, compile=t.compile, precision=t.precision)
 

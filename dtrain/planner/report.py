@@ -51,16 +51,16 @@ def candidates_text(target: Target, candidates: list[Candidate], top: int, secon
     return "\n".join(lines).rstrip()
 
 
-def write_into_readme(readme: Path, command: str, text: str) -> None:
-    """Replaces what follows the marker `<!-- COMMAND -->` up to the end marker with `text`."""
+def write_into_readme(readme: Path, command: str, text: str, end_marker: str = END_MARKER) -> None:
+    """Replaces what follows the marker `<!-- COMMAND -->` up to `end_marker` with `text`."""
     begin = f"<!-- {command} -->"
     content = readme.read_text()
     if begin not in content:
-        raise UserError(f"{readme} has no marker {begin!r}; add it, and {END_MARKER!r} after it, where the output goes")
+        raise UserError(f"{readme} has no marker {begin!r}; add it, and {end_marker!r} after it, where the output goes")
     head, _, rest = content.partition(begin)
-    if END_MARKER not in rest:
-        raise UserError(f"{readme}: the marker {begin!r} has no {END_MARKER!r} after it")
-    _, _, tail = rest.partition(END_MARKER)
+    if end_marker not in rest:
+        raise UserError(f"{readme}: the marker {begin!r} has no {end_marker!r} after it")
+    _, _, tail = rest.partition(end_marker)
     if not text.startswith("|"):
-        text = f"```text\n{text}\n```"  # the planner's lines, kept as printed
-    readme.write_text(f"{head}{begin}\n{text}\n{END_MARKER}{tail}")
+        text = f"```text\n{text}\n```"  # the lines, kept as printed
+    readme.write_text(f"{head}{begin}\n{text}\n{end_marker}{tail}")
