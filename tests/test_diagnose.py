@@ -304,3 +304,19 @@ def test_the_troubleshooting_page_shows_what_diagnose_prints(tmp_path):
 
     assert masked(_block(page, "cpu")) == masked(cpu_text(tmp_path)), \
         "regenerate it: python -m tools.diagnose_example cpu --readme docs/troubleshooting.md"
+
+
+def test_a_run_that_failed_while_it_built_is_still_diagnosed(runs, tmp_path):
+    """No journal line (an out-of-memory error while the model was built): the world from the
+    failure records, the nearest layout that fits all the same."""
+    (tmp_path / "config.toml").write_text((runs("oom") / "config.toml").read_text())
+    failures.record(tmp_path, failures.Failure(0, 0, "data", "error", "rank 0 at step 0 (data): OutOfMemoryError: "
+                                               "CUDA out of memory. Tried to allocate 2.00 GiB",
+                                               "OutOfMemoryError: CUDA out of memory"))
+    record = load(tmp_path)
+    assert record.world_size == 1 and record.on_gpu
+    result, text = _diagnosed(tmp_path)
+    assert _kinds(result) == [("out_of_memory", 0)], text
+    assert result.findings[0].flags.startswith("--micro-batch ") and "no journal" in text.splitlines()[0]
+    (tmp_path / "failures").rename(tmp_path / "gone")
+    assert main([str(tmp_path)]) == 2

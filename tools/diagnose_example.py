@@ -56,12 +56,14 @@ def cpu_text(run_dir: Path) -> str:
             f"$ python -m dtrain.diagnose {CPU_RUN_DIR}\n{text}")
 
 
-def _train(args: list[str], run_dir: Path, env: dict[str, str] | None = None) -> None:
+def _train(args: list[str], run_dir: Path, env: dict[str, str] | None = None, check: bool = True) -> bool:
+    """Trains into `run_dir` (its console output in RUN_DIR.log beside it); whether it succeeded."""
     command = [sys.executable, "-m", "dtrain.run", *args, "--run-dir", str(run_dir)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
     (run_dir.parent / f"{run_dir.name}.log").write_text(result.stdout + result.stderr)
-    if result.returncode != 0:
+    if result.returncode != 0 and check:
         raise SystemExit(f"error: {' '.join(command)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return result.returncode == 0
 
 
 def _diagnose(run_dir: Path) -> tuple[str, dict]:
@@ -89,15 +91,16 @@ def gpu_example(work_dir: Path, steps: int) -> tuple[str, bool]:
     if not suggestions:
         return "\n".join(lines + ["diagnose suggests no faster layout: nothing to apply"]), False
     top = suggestions[0]
-    flags = top["flags"].split()
-    _train([*args, *flags], applied)
+    lines.append(f"$ python -m dtrain.run {' '.join(args)} {top['flags']} --run-dir runs/applied   # the top suggestion")
+    if not _train([*args, *top["flags"].split()], applied, check=False):
+        failed, _ = _diagnose(applied)
+        return "\n".join(lines + ["the run with the top suggestion failed:", failed.replace(str(applied), "runs/applied")]), False
     _, after = _diagnose(applied)
     predicted = (found["speed"]["predicted"]["tokens_per_sec_per_gpu"], top["tokens_per_sec_per_gpu"])
     measured = (found["speed"]["measured_tokens_per_sec_per_gpu"], after["speed"]["measured_tokens_per_sec_per_gpu"])
     predicted_gain, measured_gain = predicted[1] / predicted[0], measured[1] / measured[0]
     agrees = abs(measured_gain / predicted_gain - 1) <= AGREEMENT
     lines += [
-        f"$ python -m dtrain.run {' '.join(args)} {top['flags']} --run-dir runs/applied   # the top suggestion",
         f"predicted on {found['speed']['predicted']['gpu']}: {predicted[0]:,.0f} -> {predicted[1]:,.0f} "
         f"tokens/s/GPU ({predicted_gain - 1:+.0%})",
         f"measured:  {measured[0]:,.0f} -> {measured[1]:,.0f} tokens/s/GPU ({measured_gain - 1:+.0%}): the gain is "

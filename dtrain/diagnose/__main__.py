@@ -42,7 +42,8 @@ def header(record: RunRecord) -> str:
         mesh = c.parallel.mesh
     return (f"{record.run_dir}: {c.model.model} on {ranks}, mesh {mesh}, "
             f"micro-batch {d.micro_batch} of global batch "
-            f"{d.global_batch}, seq {d.seq_len}, recompute {t.recompute}; {last} of {t.steps} steps")
+            f"{d.global_batch}, seq {d.seq_len}, recompute {t.recompute}; {last} of {t.steps} steps"
+            + ("; no journal: it failed before its first step" if record.start.get("from_failures") else ""))
 
 
 def diagnose(record: RunRecord, profile: dict[str, float] | None = None) -> Diagnosis:

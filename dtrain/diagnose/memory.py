@@ -3,11 +3,15 @@ after an out-of-memory error, the nearest layout the planner says fits, as flags
 
 from __future__ import annotations
 
+import attrs
+
+from dtrain.config import Config
 from dtrain.diagnose.neighbours import PlannerView, changed_flags
 from dtrain.diagnose.record import RunRecord
 from dtrain.diagnose.report import Finding, Section
 from dtrain.planner import advice
 from dtrain.planner.hardware import GIGA
+from dtrain.planner.meshes import mesh_text
 from dtrain.planner.search import nothing_fits
 from models.errors import UserError
 
@@ -38,7 +42,9 @@ def memory_section(record: RunRecord, planned: PlannerView) -> Section:
                 lines.append(findings[-1].text)
         else:
             lines.append(f"peak {gb(peak)} GB resident (the process's memory: this run ran on the CPU)")
-    if current is not None:
+    if current is None:
+        lines.append(f"the planner cannot evaluate this layout: {planned.error}")
+    else:
         predicted = current.memory
         figures.update(predicted_gb=predicted.as_gb())
         lines.append(f"planner, largest rank: {predicted.lines()[0].replace(' GB at', f' of {limit:g} GB at', 1)}")
@@ -46,6 +52,12 @@ def memory_section(record: RunRecord, planned: PlannerView) -> Section:
     if oom:
         lines += _after_out_of_memory(record, planned, oom[0], findings)
     return Section("memory", "Memory", lines, findings, figures)
+
+
+def _as_planned(record: RunRecord) -> Config:
+    """The run's configuration with its mesh written as the planner writes meshes."""
+    mesh = mesh_text(record.layout.mesh)
+    return attrs.evolve(record.config, parallel=attrs.evolve(record.config.parallel, mesh=mesh))
 
 
 def _after_out_of_memory(record: RunRecord, planned: PlannerView, failure, findings: list[Finding]) -> list[str]:
@@ -69,8 +81,7 @@ def _after_out_of_memory(record: RunRecord, planned: PlannerView, failure, findi
     if nearest is None:
         findings.append(Finding("memory", "out_of_memory", f"out of memory; {why}", step=failure.step))
         return lines + [why]
-    base = current.config if current is not None else record.config
-    flags = changed_flags(base, nearest.config)
+    flags = changed_flags(current.config if current is not None else _as_planned(record), nearest.config)
     if not flags:
         findings.append(Finding("memory", "out_of_memory", f"out of memory on rank {failure.rank}, in a layout the "
                                 f"planner predicts fits", step=failure.step,

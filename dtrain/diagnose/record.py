@@ -89,8 +89,20 @@ def load(run_dir: Path) -> RunRecord:
     config_path = run_dir / "config.toml"
     if not config_path.is_file():
         raise UserError(f"{run_dir} has no config.toml: pass the --run-dir of a dtrain run")
-    record = journal.read(run_dir)
+    config = load_config(["--config", str(config_path)])
+    record, failed = journal.read(run_dir), failures.read(run_dir)
     if not record.starts:
-        raise UserError(f"{run_dir} has no {journal.JOURNAL} with a start line (runs of dtrain from before the "
-                        f"journal wrote none): train into it again, or pass another run directory")
-    return RunRecord(run_dir, load_config(["--config", str(config_path)]), record, failures.read(run_dir))
+        if not failed:
+            raise UserError(f"{run_dir} has no {journal.JOURNAL} with a start line (runs of dtrain from before the "
+                            f"journal wrote none): train into it again, or pass another run directory")
+        record = attrs.evolve(record, starts=[_start_of_failed(config, failed)])
+    return RunRecord(run_dir, config, record, failed)
+
+
+def _start_of_failed(config: Config, failed: list[failures.Failure]) -> dict:
+    """What a run that failed before its start line (while it built the model) still tells: its
+    ranks from their failure records, a GPU where the error was CUDA's."""
+    on_gpu = any("CUDA" in f.what or "cuda" in f.what for f in failed)
+    return {"event": "start", "step": 0, "world_size": max(f.rank for f in failed) + 1,
+            "device": "CUDA" if on_gpu else "cpu", "from_failures": True,
+            "gpu_memory_gb": config.parallel.gpu_memory_gb or advice.DEFAULT_GPU_MEMORY_GB}
