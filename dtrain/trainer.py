@@ -208,6 +208,9 @@ class Trainer:
             first_sample=self.consumed_samples,
         )
         data_s = time.perf_counter() - launched_at
+        # The device's time for the step runs from here (once the previous step's kernels are done)
+        # to `done`: the rest of the wall time between read-backs it waited for the host.
+        device_from = self._timing_event()
         attended_pairs = self.inputs.attended_pairs(micro_batches)
         self.stragglers.arm(self.step + 1)
         loss_sum = self.forward_backward(micro_batches, self.faults.loss_factor(self.step + 1))
@@ -243,27 +246,33 @@ class Trainer:
         mtp_stats = self.stats.after_mtp_step()
         self.step += 1
         self.consumed_samples += d.global_batch
-        done = None
-        if self.runtime.device.type == "cuda":
-            # Waiting on an event releases the GIL (reading the loss does not): while the host
-            # waits for the device, the watchdog and other threads run.
-            done = torch.cuda.Event()
-            done.record()
+        # Waiting on an event releases the GIL (reading the loss does not): while the host waits for
+        # the device, the watchdog and other threads run.
+        done = self._timing_event()
         return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats, decision,
                             totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp), compute_spans, done, mtp_stats,
-                            data_s)
+                            data_s, device_from)
+
+    def _timing_event(self) -> torch.cuda.Event | None:
+        """A CUDA event recorded now on the current stream (None off CUDA)."""
+        if self.runtime.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _read_back(self, launched: "LaunchedStep", at_once: bool = False) -> dict[str, float]:
         """The scalars of a launched step (waits for it). Its time runs from the previous step's
         read-back, or from its own launch if later (after an evaluation or a save), so in steady
         state it is the device's time per step. A step read back `at_once` after its launch (the
         last, or before an evaluation or a save) is timed from its launch: where launching waits
-        for the device, the previous read-back came after this step had finished. The time the
-        host waits here for the device, beside the time it took to build the step's batches, tells
-        a step the host holds up from one the device does."""
-        waited_from = time.perf_counter()
+        for the device, the previous read-back came after this step had finished. The device's own
+        time for the step, beside the time the host took to build its batches, tells a step the
+        host holds up from one the device does."""
+        device_s = None
         if launched.done is not None:
             launched.done.synchronize()
+            device_s = launched.device_from.elapsed_time(launched.done) / 1e3
         decision = launched.decision
         # One transfer for the step's scalars.
         loss_sum, grad_norm, skipped, median, attended_pairs = torch.stack(
@@ -271,7 +280,6 @@ class Trainer:
              launched.attended_pairs.float()]).tolist()
         loss = loss_sum / self.global_tokens
         now = time.perf_counter()
-        waited = now - waited_from
         elapsed = now - (launched.launched_at if at_once else max(self._last_read_back, launched.launched_at))
         self._last_read_back = now
         skip = self.guard.record(launched.step, bool(skipped), loss, grad_norm, median)
@@ -282,9 +290,10 @@ class Trainer:
             "train/loss": loss, "train/lr": launched.lr, "train/grad_norm": grad_norm,
             "train/skipped": skipped, "train/skipped_steps": self.guard.total_skipped,
             "perf/tokens_per_sec_per_gpu": tokens_per_sec_per_gpu, "perf/step_s": elapsed,
-            "perf/data_s": launched.data_s, "perf/device_wait_s": waited,
-            "mem/peak_gb": peak_memory_gb(self.runtime.device),
+            "perf/data_s": launched.data_s, "mem/peak_gb": peak_memory_gb(self.runtime.device),
         }
+        if device_s is not None:
+            scalars["perf/device_s"] = device_s
         if launched.router_stats is not None:
             scalars.update(router_scalars(launched.router_stats))
         if launched.mtp_stats is not None:
@@ -389,3 +398,4 @@ class LaunchedStep:
     done: torch.cuda.Event | None = None  # recorded after the step's last kernel (GPUs)
     mtp_stats: mtp.MTPStats | None = None
     data_s: float = 0.0  # the host's time building the step's batches
+    device_from: torch.cuda.Event | None = None  # recorded once the batches were built (GPUs)

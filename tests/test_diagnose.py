@@ -96,8 +96,8 @@ def test_the_journal_has_a_start_and_every_step(runs):
     assert start["world_size"] == 1 and start["device"] == "cpu" and start["attempt"] == [0, 0]
     assert start["layout"] == advice.evaluate(load(run_dir).layout).as_json()
     for step in record.steps:
-        assert {"loss", "grad_norm", "lr", "skipped", "step_s", "data_s", "wait_s", "peak_gb", "tokens_per_s"} <= set(step)
-        assert 0 < step["data_s"] < step["step_s"]
+        assert {"loss", "grad_norm", "lr", "skipped", "step_s", "data_s", "peak_gb", "tokens_per_s"} <= set(step)
+        assert 0 < step["data_s"] < step["step_s"] and "device_s" not in step  # a GPU's time: GPUs only
 
 
 def test_a_nan_and_a_loss_spike_are_named_with_what_the_guard_did(runs):
@@ -320,3 +320,14 @@ def test_a_run_that_failed_while_it_built_is_still_diagnosed(runs, tmp_path):
     assert result.findings[0].flags.startswith("--micro-batch ") and "no journal" in text.splitlines()[0]
     (tmp_path / "failures").rename(tmp_path / "gone")
     assert main([str(tmp_path)]) == 2
+
+
+def test_on_a_gpu_only_the_devices_idle_time_can_go_to_the_batches():
+    from dtrain.diagnose.speed import exposed_data_s
+
+    # The device busy for all of the step: the batches were built while it ran the step before.
+    assert exposed_data_s({"step_s": 0.5, "data_s": 0.2, "device_s": 0.5}) == 0.0
+    # Idle for 0.07 s of the step: no more of the 0.15 s the batches took held it up.
+    assert exposed_data_s({"step_s": 0.17, "data_s": 0.15, "device_s": 0.1}) == pytest.approx(0.07)
+    assert exposed_data_s({"step_s": 0.5, "data_s": 0.01, "device_s": 0.2}) == 0.01
+    assert exposed_data_s({"step_s": 0.5, "data_s": 0.2}) == 0.2  # the CPU: the host does everything

@@ -6,14 +6,14 @@ every line but its last whole:
     {"event": "start", "step": 0, "attempt": [0, 0], "world_size": 8, "device": "NVIDIA H200", "gpu": "h200",
      "gpu_memory_gb": 150.0, "gpus_per_node": 8, "time": 1767312000.0, "layout": {the planner's view}}
     {"step": 1, "time": 1767312003.2, "loss": 10.41, "grad_norm": 3.2, "lr": 1.5e-05, "skipped": 0, "step_s": 0.41,
-     "data_s": 0.002, "wait_s": 0.35, "peak_gb": 61.2, "tokens_per_s": 9876.0, "mfu": 41.2}
+     "data_s": 0.002, "device_s": 0.40, "peak_gb": 61.2, "tokens_per_s": 9876.0, "mfu": 41.2}
     {"event": "skip", "step": 5, "reason": "non-finite", "median": "nan"}
     {"event": "straggler_check", "step": 50, "seconds": [0.21, 0.29], "stages": [0, 0]}
 
 A step line holds what the metrics logger already read back (nothing here waits for the GPU):
-`step_s` the step's wall time, `data_s` the host's time building its batches, `wait_s` the time
-the host waited for the GPU to finish it, `peak_gb` the peak memory so far, `tokens_per_s` per
-GPU, `mfu` in percent (GPUs of known peak only). Non-finite numbers are the strings "nan",
+`step_s` the step's wall time, `data_s` the host's time building its batches, `device_s` the GPU's
+time from then to the step's last kernel (CUDA events read once the step is done: GPUs only),
+`peak_gb` the peak memory so far, `tokens_per_s` per GPU, `mfu` in percent (GPUs of known peak). Non-finite numbers are the strings "nan",
 "inf" and "-inf" (strict JSON has none). Every start of the run appends a start line: a restart
 resumes at its `step`, and the lines of the steps after it that came before it were redone.
 Failures (an out-of-memory error, a hang, a lost rank) are each rank's records in
@@ -42,13 +42,13 @@ JOURNAL = "metrics.jsonl"
 # The metrics logger's scalars a step line keeps, under shorter names.
 STEP_FIELDS = {
     "train/loss": "loss", "train/grad_norm": "grad_norm", "train/lr": "lr", "train/skipped": "skipped",
-    "perf/step_s": "step_s", "perf/data_s": "data_s", "perf/device_wait_s": "wait_s", "mem/peak_gb": "peak_gb",
+    "perf/step_s": "step_s", "perf/data_s": "data_s", "perf/device_s": "device_s", "mem/peak_gb": "peak_gb",
     "perf/tokens_per_sec_per_gpu": "tokens_per_s", "perf/mfu": "mfu", "perf/straggler_ratio": "straggler_ratio",
     "val/loss": "val_loss",
 }
 
 # Figures kept to the digits that mean something (losses, norms and the lr keep theirs).
-ROUNDED = {"step_s": 6, "data_s": 6, "wait_s": 6, "peak_gb": 4, "tokens_per_s": 1, "mfu": 3, "skipped": 0}
+ROUNDED = {"step_s": 6, "data_s": 6, "device_s": 6, "peak_gb": 4, "tokens_per_s": 1, "mfu": 3, "skipped": 0}
 
 
 def _encode(value):

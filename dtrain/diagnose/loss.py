@@ -132,9 +132,9 @@ def _remedy(record: RunRecord, kind: str, growth: float | None) -> str:
 def _trend(record: RunRecord, findings: list[Finding]) -> list[str]:
     """Whether the loss falls after warm-up."""
     o = record.config.optim
-    skipped = {s["step"] for s, _ in spikes(record.steps)}
+    spiked = {s["step"] for s, _ in spikes(record.steps)}
     after = [s["loss"] for s in record.steps if s["step"] > o.warmup_steps and not s.get("skipped")
-             and _finite(s["loss"]) and s["step"] not in skipped]
+             and _finite(s["loss"]) and s["step"] not in spiked]
     if len(after) < TREND_STEPS:
         return []
     quarter = len(after) // 4

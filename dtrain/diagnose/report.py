@@ -6,6 +6,7 @@ from __future__ import annotations
 import attrs
 
 MAX_LINES = 40
+SUMMARY_STEPS = 4  # steps named per kind of finding in the last line
 
 
 @attrs.frozen
@@ -48,13 +49,23 @@ class Diagnosis:
         lines = [self.header]
         for section in self.sections:
             lines += [f"{section.title}:", *(f"  {line}" for line in section.lines)]
-        findings = self.findings
-        summary = (f"{len(findings)} finding{'s' if len(findings) != 1 else ''}: "
-                   + "; ".join(f"{f.kind}" + (f" at step {f.step}" if f.step is not None else "") for f in findings)
-                   if findings else "nothing wrong found")
-        lines.append(summary)
+        lines.append(self.summary())
         assert len(lines) <= MAX_LINES, f"{len(lines)} lines"
         return "\n".join(lines)
+
+    def summary(self) -> str:
+        """The last line: each kind of finding and its steps (`nan at steps 4, 9`), or that there is none."""
+        findings = self.findings
+        if not findings:
+            return "nothing wrong found"
+        steps: dict[str, list[int]] = {}
+        for finding in findings:
+            steps.setdefault(finding.kind, []).extend([] if finding.step is None else [finding.step])
+        parts = []
+        for kind, at in steps.items():
+            shown = ", ".join(map(str, at[:SUMMARY_STEPS])) + (", ..." if len(at) > SUMMARY_STEPS else "")
+            parts.append(kind + (f" at step{'s' if len(at) > 1 else ''} {shown}" if at else ""))
+        return f"{len(findings)} finding{'s' if len(findings) != 1 else ''}: {'; '.join(parts)}"
 
     def as_json(self) -> dict:
         return {"header": self.header, "findings": [f.as_json() for f in self.findings],

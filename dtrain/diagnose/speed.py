@@ -3,6 +3,8 @@ GPU, where the step goes, and the neighbouring layouts the planner predicts fast
 
 from __future__ import annotations
 
+import statistics
+
 from dtrain.diagnose.neighbours import Neighbour, PlannerView
 from dtrain.diagnose.record import RunRecord
 from dtrain.diagnose.report import Finding, Section, share
@@ -20,10 +22,13 @@ SUGGESTIONS = 3
 
 
 def exposed_data_s(step: dict) -> float:
-    """The part of a step's batch building that the step waited for: on a GPU the host builds the
-    next step's batches while the device still runs the last one, and what it then waits for the
-    device (`wait_s`) is time the batches could have taken for free."""
-    return max(0.0, step.get("data_s", 0.0) - step.get("wait_s", 0.0))
+    """The part of building a step's batches that the step waited for. On the CPU all of it; on a
+    GPU the host builds them while the device still runs the previous step, so only the wall time
+    the device spent idle (beyond its own time, `device_s`) could have gone to them."""
+    data = step.get("data_s", 0.0)
+    if "device_s" not in step:
+        return data
+    return min(data, max(0.0, step["step_s"] - step["device_s"]))
 
 
 def speed_section(record: RunRecord, planned: PlannerView, profile: dict[str, float] | None = None) -> Section:
@@ -38,7 +43,7 @@ def speed_section(record: RunRecord, planned: PlannerView, profile: dict[str, fl
     first, last = timed[0]["step"], timed[-1]["step"]
     figures.update(measured_tokens_per_sec_per_gpu=tokens, measured_step_s=step_s, measured_mfu_pct=mfu)
     if record.on_gpu:
-        lines.append(f"measured: {tokens:,.0f} tokens/s/GPU, {'MFU ' + format(mfu, '.1f') + '%, ' if mfu else ''}"
+        lines.append(f"measured: {tokens:,.0f} tokens/s/GPU, {'' if mfu is None else f'MFU {mfu:.1f}%, '}"
                      f"{step_s:.3f} s per step (median of steps {first}-{last} on {record.device})")
     else:
         lines.append(f"measured on the CPU: {tokens:,.0f} tokens/s per process, {step_s:.3f} s per step "
@@ -50,14 +55,14 @@ def speed_section(record: RunRecord, planned: PlannerView, profile: dict[str, fl
         figures.update(predicted=current.as_json())
         lines.append(_against_prediction(record, current, tokens, mfu, findings))
     data_s = record.median("data_s")
-    exposed = sorted(exposed_data_s(s) for s in timed)[len(timed) // 2]
+    exposed = statistics.median(exposed_data_s(s) for s in timed)
     lines.append(_where(current, profile, exposed, step_s, data_s))
     figures.update(data_s=data_s, exposed_data_s=exposed)
     if exposed >= DATA_SHARE * step_s:
         findings.append(Finding(
             "speed", "slow_data", f"the data loader does not keep up: the step waits {exposed * 1e3:,.1f} ms of its "
             f"{step_s * 1e3:,.1f} ms for its batches ({share(exposed, step_s)})",
-            flags="--data-cache-dir on a local disk, or an indexed dataset (python -m tools.preprocess_data)"))
+            flags="--data-cache-dir LOCAL_DISK_DIR"))
         lines.append(findings[-1].text)
     if current is not None:
         lines += _suggestions(record, current, nearby, findings, figures)
