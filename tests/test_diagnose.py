@@ -331,3 +331,16 @@ def test_on_a_gpu_only_the_devices_idle_time_can_go_to_the_batches():
     assert exposed_data_s({"step_s": 0.17, "data_s": 0.15, "device_s": 0.1}) == pytest.approx(0.07)
     assert exposed_data_s({"step_s": 0.5, "data_s": 0.01, "device_s": 0.2}) == 0.01
     assert exposed_data_s({"step_s": 0.5, "data_s": 0.2}) == 0.2  # the CPU: the host does everything
+
+
+@pytest.mark.gpu
+def test_a_gpu_run_journals_the_devices_time_and_is_compared_with_the_planner(tmp_path):
+    import torch
+
+    run_dir = _train(tmp_path, ["--steps", "6", "--precision", "bf16"])
+    record = load(run_dir)
+    assert record.on_gpu and record.device == torch.cuda.get_device_name()
+    for step in record.steps:
+        assert 0 < step["device_s"] <= step["step_s"] * 1.5 and step["mfu"] > 0
+    result, text = _diagnosed(run_dir)
+    assert "measured is " in text and "no yardstick" not in text
