@@ -193,11 +193,12 @@ def test_a_gpu_run_slower_than_predicted_is_named(runs, tmp_path):
     predicted = records[0]["layout"]["tokens_per_sec_per_gpu"]
     records[0].update(device="NVIDIA H200", gpu="h200", gpu_memory_gb=141.0)
     for r in records[1:]:
-        r.update(tokens_per_s=predicted / 3, mfu=1.0)
+        r.update(tokens_per_s=predicted / 3, mfu=1.0, device_s=r["step_s"] / 4)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     result, text = _diagnosed(run_dir)
     assert _kinds(result) == [("slower_than_predicted", None)], text
     assert "measured is 33% of it" in text and "no yardstick" not in text
+    assert "measured: batches 0% of the step, GPU idle 75%" in text
 
 
 def test_the_command_line(runs, tmp_path, capsys, monkeypatch):

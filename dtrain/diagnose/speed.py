@@ -53,10 +53,10 @@ def speed_section(record: RunRecord, planned: PlannerView, profile: dict[str, fl
         lines.append(f"the planner cannot evaluate this layout: {planned.error}")
     else:
         figures.update(predicted=current.as_json())
-        lines.append(_against_prediction(record, current, tokens, mfu, findings))
+        lines.append(_against_prediction(record, current, tokens, findings))
     data_s = record.median("data_s")
     exposed = statistics.median(exposed_data_s(s) for s in timed)
-    lines.append(_where(current, profile, exposed, step_s, data_s))
+    lines.append(_where(current, profile, timed, step_s, exposed))
     figures.update(data_s=data_s, exposed_data_s=exposed)
     if exposed >= DATA_SHARE * step_s:
         findings.append(Finding(
@@ -69,8 +69,7 @@ def speed_section(record: RunRecord, planned: PlannerView, profile: dict[str, fl
     return Section("speed", "Speed", lines, findings, figures)
 
 
-def _against_prediction(record: RunRecord, current: Candidate, tokens: float, mfu: float | None,
-                        findings: list[Finding]) -> str:
+def _against_prediction(record: RunRecord, current: Candidate, tokens: float, findings: list[Finding]) -> str:
     predicted = current.tokens_per_sec_per_gpu
     if not record.on_gpu:
         return (f"planner: {predicted:,.0f} tokens/s/GPU for this layout on {record.gpu}, at a GPU's rates: no "
@@ -85,22 +84,25 @@ def _against_prediction(record: RunRecord, current: Candidate, tokens: float, mf
     return line
 
 
-def _where(current: Candidate | None, profile: dict[str, float] | None, exposed: float, step_s: float,
-           data_s: float | None) -> str:
-    """One line: where the step's time goes, by the profile when given, else by the model; and the
-    data wait measured."""
-    data = f"; measured: batches {share(exposed, step_s)} of the step"
+def _where(current: Candidate | None, profile: dict[str, float] | None, timed: list[dict], step_s: float,
+           exposed: float) -> str:
+    """One line: where the step's time goes, by the profile when given, else by the model; and what
+    was measured: the share the step waited for its batches and, on a GPU, the share the GPU sat
+    idle (the host held it up: launches, Python, data)."""
+    idle = [max(0.0, s["step_s"] - s["device_s"]) for s in timed if "device_s" in s]
+    measured = f"; measured: batches {share(exposed, step_s)} of the step" + (
+        f", GPU idle {share(statistics.median(idle), step_s)}" if idle else "")
     if profile:
         parts = ", ".join(f"{name} {100 * value:.0f}%" for name, value in profile.items() if value >= 0.005)
-        return f"where the step goes (profile): {parts}{data}"
+        return f"where the step goes (profile): {parts}{measured}"
     if current is None:
-        return f"where the step goes: unknown (no profile, no prediction){data}"
+        return f"where the step goes: unknown (no profile, no prediction){measured}"
     breakdown = current.step.breakdown()
     total = current.step.seconds
     parts = ", ".join(f"{BOUND_NAMES.get(name, name)} {share(seconds, total)}"
                       for name, seconds in sorted(breakdown.items(), key=lambda item: -item[1])
                       if seconds >= 0.005 * total)
-    return f"where the step goes (planner): {parts}{data}"
+    return f"where the step goes (planner): {parts}{measured}"
 
 
 def _suggestions(record: RunRecord, current: Candidate, nearby: list[Neighbour], findings: list[Finding],
