@@ -80,6 +80,15 @@ def peak_memory_gb(device: torch.device) -> float:
     return kilobytes * (1 if sys.platform != "darwin" else 1 / 1024) / 1e6
 
 
+def timing_event(device: torch.device) -> torch.cuda.Event | None:
+    """A CUDA event that times, recorded now on the current stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 @contextlib.contextmanager
 def log_file(path: Path, enabled: bool):
     """Copies dtrain's log lines into `path` (the run directory's train.log) while open."""

@@ -19,7 +19,7 @@ from dtrain.data import TokenDataset
 from dtrain.diagnose import journal
 from dtrain.distributed import Runtime
 from dtrain.layout import RunLayout
-from dtrain.metrics import MetricsLogger, mtp_scalars, peak_flops, peak_memory_gb, router_scalars
+from dtrain.metrics import MetricsLogger, mtp_scalars, peak_flops, peak_memory_gb, router_scalars, timing_event
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.layout.host_memory import check_host_memory
 from dtrain.rank_inputs import RankInputs
@@ -209,8 +209,8 @@ class Trainer:
         )
         data_s = time.perf_counter() - launched_at
         # The device's time for the step runs from here (once the previous step's kernels are done)
-        # to `done`: the rest of the wall time between read-backs it waited for the host.
-        device_from = self._timing_event()
+        # to `done`; for the rest of the time between read-backs it waited for the host.
+        device_from = timing_event(self.runtime.device)
         attended_pairs = self.inputs.attended_pairs(micro_batches)
         self.stragglers.arm(self.step + 1)
         loss_sum = self.forward_backward(micro_batches, self.faults.loss_factor(self.step + 1))
@@ -248,18 +248,10 @@ class Trainer:
         self.consumed_samples += d.global_batch
         # Waiting on an event releases the GIL (reading the loss does not): while the host waits for
         # the device, the watchdog and other threads run.
-        done = self._timing_event()
+        done = timing_event(self.runtime.device)
         return LaunchedStep(self.step, launched_at, loss_sum, grad_norm, lr, router_stats, decision,
                             totals[1] / (self.mesh_spec.cp * self.mesh_spec.pp), compute_spans, done, mtp_stats,
                             data_s, device_from)
-
-    def _timing_event(self) -> torch.cuda.Event | None:
-        """A CUDA event recorded now on the current stream (None off CUDA)."""
-        if self.runtime.device.type != "cuda":
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def _read_back(self, launched: "LaunchedStep", at_once: bool = False) -> dict[str, float]:
         """The scalars of a launched step (waits for it). Its time runs from the previous step's
