@@ -88,7 +88,9 @@ class DataArgs:
                                   "Megatron indexed PREFIX (PREFIX.bin/.idx), or a blend '0.7 PREFIX_A 0.3 PREFIX_B'")
     tokenizer: str | None = _field(None, "a local Hugging Face tokenizer.json (default: the bundled one)")
     seq_len: int = _field(256, "tokens per sample")
-    micro_batch: int = _field(4, "samples per micro-batch on each data-parallel rank")
+    micro_batch: int | None = _field(None, "samples per micro-batch on each data-parallel rank (default: the largest "
+                                           "that fits the GPU by the memory model, up to 32,768 tokens; 4 without "
+                                           "a GPU or --gpu-memory-gb)")
     global_batch: int | None = _field(None, "samples per optimizer step over all data-parallel ranks "
                                             "(default: one micro-batch per data-parallel rank)")
     split: str = _field("969,30,1", "indexed data (--data PREFIX or \"0.7 PREFIX_A 0.3 PREFIX_B\"): "

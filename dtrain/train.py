@@ -4,6 +4,7 @@ for restarts, once this run holds it)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -20,6 +21,8 @@ from dtrain.resilience.heartbeat import Heartbeat, open_board
 from dtrain.resilience.watchdog import GRACE_S, Watchdog
 from dtrain.trainer import Trainer
 from models.errors import UserError
+
+logger = logging.getLogger("dtrain")
 
 
 def train(layout: RunLayout, before_step=None, claim: run_lock.Claim | None = None) -> list[dict[str, float]]:
@@ -50,6 +53,9 @@ def train(layout: RunLayout, before_step=None, claim: run_lock.Claim | None = No
                                 step_timeout=t.step_timeout)
             watchdog.start()
         with log_file(run_dir / "train.log", runtime.is_main):
+            if runtime.is_main:
+                for choice in layout.chosen:
+                    logger.info("%s", choice.line())
             scalars = Trainer(layout, runtime, heartbeat=beat, watchdog=watchdog).fit(before_step)
     except BaseException as error:
         if _in_main_thread():

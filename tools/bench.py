@@ -127,8 +127,10 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
             "--run-dir", f"runs/bench-{shape}"]
     given = load_config(argv + extra)
     layout = advice.resolve_run(given, world_size, Machine.detect())
-    # The row records the flags as given (--mesh auto stays auto), with the global batch the run took.
-    config = attrs.evolve(given, data=attrs.evolve(given.data, global_batch=layout.config.data.global_batch))
+    # The row records the flags as given (--mesh auto stays auto), with the batch the run took.
+    taken = layout.config.data
+    config = attrs.evolve(given, data=attrs.evolve(given.data, micro_batch=taken.micro_batch,
+                                                   global_batch=taken.global_batch))
 
     @functools.cache
     def ceiling() -> dict:

@@ -27,9 +27,10 @@ def decision_lines(layout: RunLayout) -> list[str]:
     """The run's decisions beyond the plan and the stages, a line each."""
     par, mesh = layout.parallel, layout.mesh
     roles = "; ".join(f"{role} over {'x'.join(dims)}" for role, dims in mesh.roles().items())
-    lines = [f"roles: {roles}",
-             f"batch: micro-batch {layout.config.data.micro_batch}, global batch {layout.config.data.global_batch}, "
-             f"{layout.num_microbatches} micro-batches per step on each data-parallel rank"]
+    lines = [choice.line() for choice in layout.chosen]  # the options left unset, as chosen
+    lines += [f"roles: {roles}",
+              f"batch: micro-batch {layout.config.data.micro_batch}, global batch {layout.config.data.global_batch}, "
+              f"{layout.num_microbatches} micro-batches per step on each data-parallel rank"]
     kernels = [f"{par.precision}"] + ["compiled"] * par.compile
     if par.tp_overlap is not None:
         kernels.append(f"tp overlap {par.tp_overlap}")

@@ -74,6 +74,8 @@ def dry_run(layout: RunLayout) -> list[tuple[Role, ProgramReport]]:
     if p.dry_run_rank is not None:
         role = next(r for r in roles if p.dry_run_rank in r.ranks)
         roles = [attrs.evolve(role, ranks=(p.dry_run_rank,))]
+    for choice in layout.chosen:
+        print(choice.line())
     print(header_text(layout, roles), flush=True)
     programs: dict = {}
     for role in roles:

@@ -5,6 +5,7 @@
     resolve.py     `resolve`: the options, checked and decided, as a RunLayout; `with_choices`
     run_layout.py  `RunLayout`: the decisions, read by the runtime, the planner, the dry run and tools
     host_memory.py whether a CPU run's ranks fit in their hosts' memory, by the memory model
+    defaults.py    the options left unset that resolve chooses for the GPU by the memory model
 """
 
 from dtrain.layout.machine import Machine

@@ -1,7 +1,7 @@
 """What the machine a run is resolved for is: the facts that decide a kernel, an overlap method or
 a refusal, read once (`Machine.detect()`) or stated (the planner's GPUs, tests).
 
-    Machine.detect()              # this process: CUDA or the CPU, its GPU's profile, FP8 GEMMs
+    Machine.detect()              # this process: CUDA or the CPU, its GPU's profile and memory, FP8 GEMMs
     Machine.gpu_profile("h100-sxm")  # a GPU the planner predicts for
     Machine()                     # CPU processes (gloo), as the tests run
 """
@@ -24,6 +24,9 @@ class Machine:
     gpu: str = DEFAULT_PROFILE       # the planner's GPU profile: the GPU this machine has, else the default
     fp8_matmuls: bool = False        # FP8 GEMMs (compute capability 8.9 and later)
     symm_mem: bool = False           # torch's fused symmetric-memory matmuls (CUDA builds)
+    # One GPU's memory in GB (1e9 bytes), where a choice is sized for it; None: nothing to size for
+    # (the CPU, or the planner's GPUs, whose candidates give every choice).
+    gpu_memory_gb: float | None = None
     # The machine this process runs on: what its optional packages take (Transformer Engine's
     # recipes on this GPU) is checked too.
     local: bool = False
@@ -38,11 +41,11 @@ class Machine:
         if not torch.cuda.is_available():
             return cls(local=True)
         device = torch.cuda.current_device()
-        reported = torch.cuda.get_device_name(device)
+        properties = torch.cuda.get_device_properties(device)
         return cls(device_type="cuda",
-                   gpu=next((name for key, name in PROFILE_OF_DEVICE if key in reported), DEFAULT_PROFILE),
-                   fp8_matmuls=torch.cuda.get_device_capability(device) >= (8, 9), symm_mem=symm_mem_available(),
-                   local=True)
+                   gpu=next((name for key, name in PROFILE_OF_DEVICE if key in properties.name), DEFAULT_PROFILE),
+                   fp8_matmuls=(properties.major, properties.minor) >= (8, 9), symm_mem=symm_mem_available(),
+                   gpu_memory_gb=properties.total_memory / 1e9, local=True)
 
     @classmethod
     def gpu_profile(cls, profile: str) -> Machine:

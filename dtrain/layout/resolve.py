@@ -7,8 +7,9 @@ First every check (checks.py: a user's mistake is one `UserError` line), then ev
 made by the function of parallel/ that owns its rule: the mesh and its roles, the sharding plan,
 the pipeline split, the tp overlap, the expert dispatch, masked attention's kernels, FP8's layers
 and float8 all-gather, then what the micro-batch, recompute, data-parallel mode and offload
-choose. `with_choices` redoes only that last part, so the planner scores thousands of variants of
-one mesh through the same code a run takes.
+choose. `with_choices` redoes only that part, so the planner scores thousands of variants of one
+mesh through the same code a run takes. Last, the options left unset that the memory model sizes
+for the GPU are chosen among such variants (defaults.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import attrs
 
 from dtrain.config import Config
-from dtrain.layout import checks
+from dtrain.layout import checks, defaults
 from dtrain.layout.machine import Machine
 from dtrain.layout.run_layout import RunLayout
 from models import families, flops
@@ -33,11 +34,12 @@ from parallel.plan import Plan
 
 logger = logging.getLogger("dtrain")
 
-# Micro-batches per step per pipeline stage when --global-batch is not given (`_with_global_batch`).
+# Micro-batches per step per pipeline stage when --global-batch is not given (`_default_global_batch`).
 DEFAULT_MICROBATCHES_PER_STAGE = 2
 # The options `with_choices` may change: (group, field).
-CHOICES = {"micro_batch": "data", "recompute": "train", "recompute_layers": "train", "dp_mode": "parallel",
-           "fsdp_reshard_after_forward": "parallel", "fsdp_reduce_once": "parallel", "cpu_offload": "parallel"}
+CHOICES = {"micro_batch": "data", "global_batch": "data", "recompute": "train", "recompute_layers": "train",
+           "dp_mode": "parallel", "fsdp_reshard_after_forward": "parallel", "fsdp_reduce_once": "parallel",
+           "cpu_offload": "parallel"}
 
 
 def resolve(config: Config, world_size: int | None, machine: Machine) -> RunLayout:
@@ -46,7 +48,8 @@ def resolve(config: Config, world_size: int | None, machine: Machine) -> RunLayo
     choose first (dtrain.planner.advice.resolve_run)."""
     model_cfg = get_model_config(config.model.model, config.model.model_overrides)
     mesh = MeshSpec.parse(config.parallel.mesh, world_size)
-    config = _with_global_batch(config, mesh)
+    unset, memory_gb = defaults.unset_sizes(config), defaults.memory_to_size_for(config, machine)
+    config = _with_global_batch(defaults.first_micro_batch(config, memory_gb), mesh)
     checks.check_options(config, mesh.world_size)
     checks.check_split(config, model_cfg, mesh, machine)
     p, t = config.parallel, config.train
@@ -72,7 +75,11 @@ def resolve(config: Config, world_size: int | None, machine: Machine) -> RunLayo
         masked_kernels=masked_attention.kernels(t.attention_kernel, machine.device_type, COMPUTE_DTYPES[t.precision]),
         fp8=_fp8_layout(config, model_cfg, mesh, machine), fuse_projections=t.fuse_projections,
         loss_chunk_tokens=t.loss_chunk_tokens, **chosen)
-    return RunLayout(config, machine, model_cfg, mesh, split, parallel)
+    layout = defaults.choose(RunLayout(config, machine, model_cfg, mesh, split, parallel), memory_gb,
+                             functools.partial(_vary, default_global_batch="global_batch" in unset), unset)
+    if "global_batch" in unset and mesh.pp > 1:
+        _log_default_global_batch(layout)
+    return layout
 
 
 def with_choices(layout: RunLayout, **choices) -> RunLayout:
@@ -86,7 +93,15 @@ def with_choices(layout: RunLayout, **choices) -> RunLayout:
     config = attrs.evolve(config, **{group: attrs.evolve(getattr(config, group), **changes)
                                      for group, changes in by_group.items()})
     split, chosen = _choices(config, layout.model_cfg, layout.mesh, layout.pipeline)
-    return attrs.evolve(layout, config=config, pipeline=split, parallel=attrs.evolve(layout.parallel, **chosen))
+    return attrs.evolve(layout, config=config, pipeline=split, parallel=attrs.evolve(layout.parallel, **chosen),
+                        chosen=tuple(choice for choice in layout.chosen if choice.option not in choices))
+
+
+def _vary(layout: RunLayout, default_global_batch: bool, **choices) -> RunLayout:
+    """`with_choices`, where another micro-batch of an unset --global-batch brings its own default."""
+    if default_global_batch and "micro_batch" in choices:
+        choices["global_batch"] = _default_global_batch(choices["micro_batch"], layout.mesh)
+    return with_choices(layout, **choices)
 
 
 def _choices(config: Config, model_cfg, mesh: MeshSpec, split: PipelineLayout) -> tuple[PipelineLayout, dict]:
@@ -117,21 +132,26 @@ def _fp8_layout(config: Config, model_cfg, mesh: MeshSpec, machine: Machine) -> 
 
 
 def _with_global_batch(config: Config, mesh: MeshSpec) -> Config:
+    d = config.data
+    if d.global_batch is not None:
+        return config
+    return attrs.evolve(config, data=attrs.evolve(d, global_batch=_default_global_batch(d.micro_batch, mesh)))
+
+
+def _default_global_batch(micro_batch: int, mesh: MeshSpec) -> int:
     """`--global-batch` unset means one micro-batch per data-parallel rank, and with pp > 1,
     2 x pp of them: enough for every schedule (a multiple of pp) and a bubble of at most a third
     with 1F1B, (pp - 1) / (3 pp - 1), where pp would leave it near a half. 1F1B holds at most pp
     micro-batches on a stage whatever the number per step; GPipe and looped BFS hold all of them."""
-    d, p = config.data, config.parallel
-    if d.global_batch is not None:
-        return config
-    per_rank = 1 if mesh.pp == 1 else DEFAULT_MICROBATCHES_PER_STAGE * mesh.pp
-    config = attrs.evolve(config, data=attrs.evolve(d, global_batch=d.micro_batch * mesh.dp_size * per_rank))
-    if mesh.pp > 1:
-        bubble = pipeline.ideal_bubble(mesh.pp, p.pp_virtual_stages, per_rank)
-        logger.info("pipeline: no --global-batch given: %d micro-batches of %d per step on each data-parallel rank "
-                    "(2 x pp=%d; ideal %s bubble %.0f%%), global batch %d; set --global-batch to choose",
-                    per_rank, d.micro_batch, mesh.pp, p.pp_schedule, 100 * bubble, config.data.global_batch)
-    return config
+    return micro_batch * mesh.dp_size * (1 if mesh.pp == 1 else DEFAULT_MICROBATCHES_PER_STAGE * mesh.pp)
+
+
+def _log_default_global_batch(layout: RunLayout) -> None:
+    d, p, pp, per_rank = layout.config.data, layout.config.parallel, layout.mesh.pp, layout.num_microbatches
+    bubble = pipeline.ideal_bubble(pp, p.pp_virtual_stages, per_rank)
+    logger.info("pipeline: no --global-batch given: %d micro-batches of %d per step on each data-parallel rank "
+                "(2 x pp=%d; ideal %s bubble %.0f%%), global batch %d; set --global-batch to choose",
+                per_rank, d.micro_batch, pp, p.pp_schedule, 100 * bubble, d.global_batch)
 
 
 @functools.lru_cache(maxsize=256)

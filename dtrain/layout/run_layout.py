@@ -23,11 +23,25 @@ from parallel.plan import Plan
 
 
 @attrs.frozen
+class Choice:
+    """An option its user left unset, as the run chose it (dtrain/layout/defaults.py), and why: a
+    sentence the run, the dry run and `--print-plan` print."""
+
+    option: str     # the config field: micro_batch, fsdp_reshard_after_forward
+    value: object
+    reason: str
+
+    def line(self) -> str:
+        return f"--{self.option.replace('_', '-')} {self.value}: {self.reason}"
+
+
+@attrs.frozen
 class RunLayout:
     """A run, resolved. `config` is the options as resolved (--global-batch filled in); the
     decisions are the other fields: the mesh and each role's dims (`mesh`, MeshSpec's `*_dims`),
     the pipeline split and schedule (`pipeline`), and how the model is laid out and run on the
-    mesh (`parallel`: the sharding plan, kernels, FP8, recompute, FSDP per unit)."""
+    mesh (`parallel`: the sharding plan, kernels, FP8, recompute, FSDP per unit). `chosen`: the
+    options left unset that the run chose for its GPU, with their reasons."""
 
     config: Config
     machine: Machine
@@ -35,6 +49,8 @@ class RunLayout:
     mesh: MeshSpec
     pipeline: PipelineLayout
     parallel: ParallelLayout
+    # Why the unset options hold their values: not a decision of its own (layouts equal without it).
+    chosen: tuple[Choice, ...] = attrs.field(default=(), eq=False)
 
     @property
     def plan(self) -> Plan:
@@ -102,6 +118,7 @@ class RunLayout:
             "fuse_projections": par.fuse_projections,
             "loss_chunk_tokens": par.loss_chunk_tokens,
             "gpu_memory_gb": p.gpu_memory_gb or None,
+            "chosen": [attrs.asdict(choice) for choice in self.chosen],
         }
 
     def masked_attention_kernels(self) -> dict[str, str]:

@@ -12,6 +12,7 @@ import torch
 
 from dtrain.config import Config
 from dtrain.layout import Machine, RunLayout, resolve
+from dtrain.layout.defaults import FALLBACK_MICRO_BATCH
 from dtrain.planner import memory, steptime
 from dtrain.planner.hardware import GIGA
 from dtrain.planner import gpus
@@ -49,7 +50,8 @@ def target_of(config: Config, world_size: int, gpu: str | None = None, memory_gb
     `memory_gb` and `per_node` where given, else this machine's."""
     d, t = config.data, config.train
     return Target(model=config.model.model, model_overrides=config.model.model_overrides, gpus=world_size,
-                  seq_len=d.seq_len, global_batch=d.global_batch or d.micro_batch * world_size,
+                  seq_len=d.seq_len,
+                  global_batch=d.global_batch or (d.micro_batch or FALLBACK_MICRO_BATCH) * world_size,
                   gpu=gpu or gpus.detect(), gpu_memory_gb=memory_gb or gpu_memory_gb(config),
                   gpus_per_node=per_node or gpus_per_node(), fp8=t.fp8,
                   fp8_backend=t.fp8_backend, fp8_head=t.fp8_head, fp8_experts=t.fp8_experts,
