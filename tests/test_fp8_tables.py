@@ -15,9 +15,11 @@ PRECISIONS = {"bf16": [], "torchao": ["--fp8", "tensorwise"], "te": ["--fp8-back
 
 
 def _row(precision: str, speed: float, date: str, commit: str, *extra: str, mesh: str = "single") -> dict:
+    # One tools.bench_suite call per date and commit here, unless a test says otherwise.
     return {"shape": "llama-1b", "gpus": 1, "mesh": mesh, "seq_len": 4096, "micro_batch": 4, "global_batch": 4,
             "precision": "bf16", "tokens_per_sec_per_gpu": speed, "mfu_pct": speed / 1000, "peak_mem_gb": 40.0,
-            "device": "NVIDIA H200", "date": date, "commit": commit, "args": [*BASE, *PRECISIONS[precision], *extra]}
+            "device": "NVIDIA H200", "date": date, "commit": commit, "args": [*BASE, *PRECISIONS[precision], *extra],
+            "call": f"{date}-{commit}"}
 
 
 def _write(path, rows):
@@ -40,11 +42,16 @@ def test_te_is_compared_with_torchao_of_its_own_session_and_setups_without_te_ar
     blocks, head = table[2], table[3]
     assert "| blocks |" in blocks and "| blocks, head |" in head and len(table) == 5
     assert "| blocks, experts | 50,000 (50.0%), aaa |  | 5,000, ddd |" in table[4]  # no MFU known
-    # The newest run of each recipe; TE's ratio against torchao of the same date and commit (63/60),
-    # not against the newer torchao run (63/66).
+    # The newest run of each recipe; TE's ratio against torchao of the same call (63/60), not
+    # against the newer torchao run (63/66).
     assert "66,000 (66.0%), bbb" in blocks and "63,000 (63.0%), 1.050x, aaa" in blocks
     assert "70,000 (70.0%), 1.094x, ccc" in head and "50,000 (50.0%), aaa" in head
     assert "99,000" not in "\n".join(table)
+    # Runs of the same day and commit in two calls (or recorded before calls were) show no ratio.
+    for te_call, torchao_call in (("one", "two"), (None, None)):
+        _write(results, [{**_row("torchao", 60_000, "2026-12-01", "aaa"), "call": torchao_call},
+                         {**_row("te", 63_000, "2026-12-01", "aaa"), "call": te_call}])
+        assert "| 63,000 (63.0%), aaa |" in fp8_tables.recipes_table(results)
 
 
 def test_the_curve_report_compares_window_means_with_the_first_curve():

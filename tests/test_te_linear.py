@@ -42,7 +42,6 @@ def test_missing_transformer_engine_is_one_line_that_says_how_to_install_it(caps
                                     "is --fp8 current there"),
     (["--fp8", "delayed", "--precision", "bf16"], "delayed is a recipe of --fp8-backend te"),
     (["--fp8", "mxfp8", *TE], "--fp8 mxfp8 does not run here: Device compute capability 10.0 or higher"),
-    (["--fp8", "delayed", *TE, "--fuse-projections"], "--fuse-projections does not apply to --fp8-backend te"),
     (["--fp8", "delayed", *TE, "--fp8-amax-history", "0"], "--fp8-amax-history 0 must be >= 1"),
     (["--fp8", "current", *TE, "--seq-len", "24", "--micro-batch", "1"], "(micro-batch x sequence per rank = 24)"),
     (["--fp8", "blockwise", *TE], "--fp8 blockwise needs every matmul dim to be a multiple of 128"),
@@ -237,6 +236,20 @@ def test_selective_recompute_keeps_te_matmul_outputs_and_recomputes_with_the_sam
     for mode in ("selective", "full"):
         for step, (a, e) in enumerate(zip(runs[mode], runs["none"]), 1):
             assert abs(a - e) <= 1e-6 * e, f"--recompute {mode} at step {step}: {a} vs {e}"
+
+
+def test_fused_projections_run_one_te_matmul_for_qkv_and_one_for_gate_and_up(tmp_path):
+    """--fuse-projections: 4 forward GEMMs per block (q/k/v, output, gate/up, down) where there were
+    7, each with its matmul's slots (the concatenated weight shares one scale), training as
+    separate matmuls do within FP8's rounding."""
+    with fake_te.installed() as calls:
+        separate = _losses(_train(tmp_path / "separate", [], steps=2))
+        calls.clear()
+        fused = _losses(_train(tmp_path / "fused", ["--fuse-projections"], steps=2))
+        gemms = [c for c in calls if c["op"] == "gemm" and c["layout"] == "TN"]
+    assert len(gemms) == 4 * 4 * 2 * 2  # 4 blocks x 4 matmuls x 2 micro-batches x 2 steps
+    for a, b in zip(fused, separate):
+        assert abs(a - b) <= 0.02 * b, (fused, separate)
 
 
 def _fp8_state(checkpoint: Path) -> dict[str, torch.Tensor]:

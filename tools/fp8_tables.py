@@ -3,8 +3,9 @@ benchmarks/results.jsonl --readme README.md` writes both where the README has th
 
 - `recipes_table`: every setup measured with Transformer Engine, beside the same setup in bf16 and
   with torchao: the newest run of each precision, tokens/s/GPU and MFU, and each TE run's speed over
-  torchao's tensorwise run of the same setup measured on the same day at the same commit (the only
-  fair ratio: runs of different sessions differ by a few percent where nothing changed).
+  torchao's tensorwise run of the same setup in the same call of tools.bench_suite (the row's
+  `call`; the only fair ratio: the same machine, where runs of different calls differ by several
+  percent with nothing changed). A TE run with no torchao run in its call shows no ratio.
 - `curves_table`: the loss curves that `python -m tools.te_check --phase curves` records
   (`benchmarks/fp8_curves.json`), as window means against the first curve's (bf16).
 """
@@ -47,12 +48,12 @@ def recipes_table(path: Path) -> str:
     rows = [(_setup(r), extent(r), recipe(r), r) for r in read_rows(path) if r.get("device", "cpu") != "cpu"]
     with_te = {setup for setup, _, name, _ in rows if name.startswith("te ")}
     newest: dict[tuple, dict] = {}  # (setup, extent or "" for bf16, recipe) -> its newest row
-    torchao: dict[tuple, dict] = {}  # (setup, extent, date, commit) -> torchao's tensorwise run of that session
+    torchao: dict[tuple, dict] = {}  # (setup, extent, call) -> torchao's tensorwise run of that call
     for setup, what, name, r in rows:
         if setup in with_te:
             newest[(setup, "" if name == "bf16" else what, name)] = r
-            if name == "torchao tensorwise":
-                torchao[(setup, what, r["date"], r["commit"])] = r
+            if name == "torchao tensorwise" and r.get("call"):
+                torchao[(setup, what, r["call"])] = r
     recipes = [name for name in RECIPE_ORDER if any(key[2] == name for key in newest)]
     recipes += sorted({key[2] for key in newest} - set(recipes))
     lines = ["| setup | in FP8 | " + " | ".join(recipes) + " |", "|---|---|" + "---|" * len(recipes)]
@@ -65,14 +66,14 @@ def recipes_table(path: Path) -> str:
             cells = []
             for name in recipes:
                 r = newest.get((setup, "" if name == "bf16" else what, name))
-                beside = torchao.get((setup, what, r["date"], r["commit"])) if r and name.startswith("te ") else None
+                beside = torchao.get((setup, what, r.get("call"))) if r and name.startswith("te ") else None
                 cells.append(_cell(r, beside))
             lines.append(f"| {label} | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def _cell(r: dict | None, torchao: dict | None) -> str:
-    """A run's tokens/s (MFU), its speed over torchao's run of the same session where given, its commit."""
+    """A run's tokens/s (MFU), its speed over torchao's run of the same call where given, its commit."""
     if r is None:
         return ""
     mfu = f" ({r['mfu_pct']:.1f}%)" if r.get("mfu_pct") is not None else ""

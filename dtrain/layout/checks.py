@@ -171,9 +171,6 @@ def check_kernels(config: Config, model_cfg, mesh: MeshSpec, machine: Machine, t
     if t.fp8 is not None:
         if t.precision != "bf16":
             raise UserError(f"--fp8 runs the other ops in bf16; use --precision bf16, not {t.precision}")
-        if t.fp8_backend == "te" and t.fuse_projections:
-            raise UserError("--fuse-projections does not apply to --fp8-backend te (each projection is its own "
-                            "Transformer Engine matmul, with its own scales); drop one of them")
         if t.fp8_amax_history < 1:
             raise UserError(f"--fp8-amax-history {t.fp8_amax_history} must be >= 1")
         precision.validate_fp8(t.fp8, t.fp8_backend, _matmul_widths(model_cfg, tp, t.fp8_head),
