@@ -51,6 +51,8 @@ def _has_cuda() -> bool:
 
 
 PROFILED_STEPS = 3
+# Set by tools.bench_suite for the processes of one call; every row of the call carries it.
+CALL_ENV = "DTRAIN_BENCH_CALL"
 
 
 class Profiler:
@@ -113,7 +115,8 @@ def ceiling_line(ceiling: dict | None) -> str:
             f"MFU {ceiling['mfu_pct']:.1f}%")
 
 
-def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path | None = None) -> dict | None:
+def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path | None = None,
+        baseline: bool = False) -> dict | None:
     import attrs
     import torch
 
@@ -131,6 +134,8 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
     taken = layout.config.data
     config = attrs.evolve(given, data=attrs.evolve(given.data, micro_batch=taken.micro_batch,
                                                    global_batch=taken.global_batch))
+    if baseline:
+        _check_baseline(layout)
 
     @functools.cache
     def ceiling() -> dict:
@@ -169,9 +174,50 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
         "args": extra, "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "commit": commit_hash(), "date": datetime.date.today().isoformat(),
+        # The tools.bench_suite call that ran it: rows of one call compare fairly (the same machine).
+        "call": os.environ.get(CALL_ENV),
     }
+    if baseline:
+        del history, timed
+        result["baseline"] = run_baseline_beside(layout, steps, warmup)
+        result["vs_baseline"] = round(tok / result["baseline"]["tokens_per_sec_per_gpu"], 3)
     print(json.dumps(result), flush=True)
     return result
+
+
+def _check_baseline(layout) -> None:
+    """Before the dtrain run: the baseline can run this setup (one process, a plain Llama)."""
+    from tools.baseline import unsupported
+
+    if layout.world_size != 1:
+        raise SystemExit(f"error: --baseline runs on one GPU; this run has {layout.world_size} processes")
+    reason = unsupported(layout.model_cfg, layout.config.data.document_mask)
+    if reason:
+        raise SystemExit(f"error: --baseline is a plain Llama and runs none of: {reason}; drop --baseline")
+
+
+def run_baseline_beside(layout, steps: int, warmup: int) -> dict:
+    """The plain PyTorch baseline (tools/baseline.py) at the model, shape, batch and precision
+    that `layout` runs, once dtrain's run has given back its memory. FP8 runs take torchao's
+    recipe where they name one, else tensorwise (Transformer Engine's recipes)."""
+    import gc
+
+    import torch
+
+    from parallel.precision import TORCHAO_RECIPES
+    from tools.baseline import run_baseline
+
+    gc.collect()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch._dynamo.reset()  # the run's compiled graphs, and what their caches still hold
+        gc.collect()
+        torch.cuda.empty_cache()
+    d, t = layout.config.data, layout.config.train
+    fp8 = None if t.fp8 is None else t.fp8 if t.fp8 in TORCHAO_RECIPES else "tensorwise"
+    return run_baseline(layout.model_cfg, seq_len=d.seq_len, micro_batch=d.micro_batch, global_batch=d.global_batch,
+                        steps=steps, warmup=warmup, compile_=t.compile, precision=t.precision, fp8=fp8,
+                        fp8_head=t.fp8_head, device=device, seed=t.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,13 +235,16 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"profile {PROFILED_STEPS} steps after warm-up; write where each rank's time went "
                         "and its top kernels to DIR (profile_rank<r>.txt and .json), and rank 0's breakdown "
                         "into the JSON line")
+    parser.add_argument("--baseline", action="store_true",
+                        help="after the run, time the plain PyTorch baseline (tools/baseline.py) at the same model, "
+                        "shape, batch and precision in this process; the JSON line carries it and the ratio")
     parser.add_argument("--table", type=Path, help="print the markdown table of a JSON-lines file and exit")
     parser.add_argument("--bubble", type=Path, metavar="FILE",
                         help="print the measured pipeline bubbles of the runs in a JSON-lines file and exit")
     parser.add_argument("--readme", type=Path, help="with --table or --bubble: also write the table into this "
                         "file, between its markers (see tools.bench_tables.README_MARKERS)")
     parser.add_argument("--attention", metavar="SETUP", help="time attention sub-blocks alone, forward + backward: "
-                        "one of the setups of tools/bench_attention.py, or all; then exit")
+                        "setups of tools/bench_attention.py (comma-separated), or all; then exit")
     parser.add_argument("--attention-batch", type=int, default=4)
     parser.add_argument("--attention-seq-len", type=int, default=4096)
     parser.add_argument("--compile", action="store_true", help="with --attention: compile each sub-block")
@@ -203,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention:
         from tools import bench_attention
 
-        names = list(bench_attention.SETUPS) if args.attention == "all" else [args.attention]
+        names = list(bench_attention.SETUPS) if args.attention == "all" else args.attention.split(",")
         unknown = [name for name in names if name not in bench_attention.SETUPS]
         if unknown:
             parser.error(f"--attention {unknown[0]}: choose one of {', '.join(bench_attention.SETUPS)} or all")
@@ -231,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             args.profile.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             parser.error(f"--profile {args.profile}: {error.strerror}; give a directory this process can write")
-    run(args.shape, args.steps, args.warmup, extra, args.profile)
+    run(args.shape, args.steps, args.warmup, extra, args.profile, args.baseline)
     return 0
 
 

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from tools import suite_dense
+from tools.bench import CALL_ENV
 from tools.bench_tables import ATTENTION_FILE
 
 STEPS = ["--steps", "14", "--warmup", "4"]
@@ -177,8 +179,11 @@ SUITE: dict[str, tuple[int, list[str]]] = {
                                   (" balanced fp8", ["force_load_balance=true"], ["--fp8", "tensorwise"]))},
 }
 
+SUITE.update(suite_dense.SETUPS)
+
 # Setups measured side by side, each group in one `--group` run.
 GROUPS: dict[str, list[str]] = {
+    **suite_dense.GROUPS,
     "tp-overlap": [f"{shape} {mesh}" for shape in ("llama-1b", "llama-8b", "llama-70b-4l")
                    for mesh in ("dp=2", "tp=2", "tp=2 sp", "tp=2 sp unfused")],
     # Where the steps of the one- and two-GPU targets go (with --profile): bf16 and the fastest FP8 setup of each.
@@ -222,12 +227,15 @@ def run_suite(names: list[str], out: Path, budget: float, timeout: float,
     """Runs each setup (profiled into `profile`/<setup>/ if given); appends its JSON line to `out`;
     returns (name, outcome) pairs."""
     start, outcomes = time.monotonic(), []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # One id for the rows of this call (or of the calls a caller gave one id to share).
+    call = os.environ.get(CALL_ENV) or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", CALL_ENV: call}
     for name in names:
         if time.monotonic() - start > budget:
             outcomes.append((name, "not started: over --budget"))
             continue
         processes, bench_args = SUITE[name]
+        bench_args = [arg.replace("{out_dir}", str(out.parent)) for arg in bench_args]
         slug = name.replace(" ", "-").replace("=", "")
         if profile is not None:
             bench_args = ["--profile", str(profile / slug), *bench_args]

@@ -21,7 +21,12 @@ SHAPES = {
     "tiny-qwen3": ["--model", "tiny-qwen3", "--seq-len", "256", "--micro-batch", "4"],
     "tiny-gpt-oss": ["--model", "tiny-gpt-oss", "--seq-len", "256", "--micro-batch", "4"],
     "tiny-llama4": ["--model", "tiny-llama4", "--seq-len", "256", "--micro-batch", "4"],
+    "tiny-defaults": ["--model", "tiny", "--seq-len", "256"],
+    # The micro-batch the run's defaults choose (dtrain/layout/defaults.py), as a user gets it.
+    "llama-1b-defaults": ["--model", "llama-1b", "--seq-len", "4096"],
+    "llama-3b-defaults": ["--model", "llama3.2-3b", "--seq-len", "8192"],
+    "llama-8b-8l-defaults": ["--model", "llama3-8b", "--model-overrides", "num_layers=8", "--seq-len", "4096"],
 }
 
 # The shapes small enough to run on a CPU (a smoke test of the tool, not a measurement).
-CPU_SHAPES = ("tiny", "tiny-qwen3", "tiny-gpt-oss", "tiny-llama4")
+CPU_SHAPES = ("tiny", "tiny-qwen3", "tiny-gpt-oss", "tiny-llama4", "tiny-defaults")
