@@ -72,3 +72,13 @@ def test_the_dense_runs_with_their_baselines_on_cpu(tmp_path, capsys):
     assert rows[1]["baseline"]["fp8"] == "tensorwise" and rows[1]["baseline"]["fp8_head"]
     assert rows[0]["profile"] is not None
     assert (tmp_path / "profiles" / "llama-1b-defaults" / "profile_rank0.txt").exists()
+
+
+def test_compiler_settings_are_parsed_as_literals_of_known_keys():
+    import pytest
+
+    assert bench.inductor_settings(["cpp_wrapper=True", "combo_kernels=False"]) == {"cpp_wrapper": True,
+                                                                                    "combo_kernels": False}
+    for bad in ("no_such_setting=1", "cpp_wrapper", "cpp_wrapper=yes please"):
+        with pytest.raises(ValueError, match="--inductor"):
+            bench.inductor_settings([bad])

@@ -115,8 +115,26 @@ def ceiling_line(ceiling: dict | None) -> str:
             f"MFU {ceiling['mfu_pct']:.1f}%")
 
 
+def inductor_settings(items: list[str]) -> dict:
+    """`KEY=VALUE` pairs of torch._inductor.config, each VALUE a Python literal."""
+    import ast
+
+    import torch._inductor.config as config
+
+    settings = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if not hasattr(config, key) or not value:
+            raise ValueError(f"--inductor {item}: give KEY=VALUE with a torch._inductor.config KEY")
+        try:
+            settings[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--inductor {item}: {value!r} is not a Python literal") from None
+    return settings
+
+
 def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path | None = None,
-        baseline: bool = False) -> dict | None:
+        baseline: bool = False, inductor: dict | None = None) -> dict | None:
     import attrs
     import torch
 
@@ -136,6 +154,10 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
                                                    global_batch=taken.global_batch))
     if baseline:
         _check_baseline(layout)
+    import torch._inductor.config as inductor_config
+
+    for key, value in (inductor or {}).items():
+        setattr(inductor_config, key, value)
 
     @functools.cache
     def ceiling() -> dict:
@@ -176,6 +198,7 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
         "commit": commit_hash(), "date": datetime.date.today().isoformat(),
         # The tools.bench_suite call that ran it: rows of one call compare fairly (the same machine).
         "call": os.environ.get(CALL_ENV),
+        "inductor": inductor or None,
     }
     if baseline:
         del history, timed
@@ -238,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", action="store_true",
                         help="after the run, time the plain PyTorch baseline (tools/baseline.py) at the same model, "
                         "shape, batch and precision in this process; the JSON line carries it and the ratio")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="set torch._inductor.config KEY to VALUE (a Python literal) before the run, to measure "
+                        "compiler settings (cpp_wrapper=True: kernels launched from C++); the row records them")
     parser.add_argument("--table", type=Path, help="print the markdown table of a JSON-lines file and exit")
     parser.add_argument("--bubble", type=Path, metavar="FILE",
                         help="print the measured pipeline bubbles of the runs in a JSON-lines file and exit")
@@ -280,7 +306,11 @@ def main(argv: list[str] | None = None) -> int:
             args.profile.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             parser.error(f"--profile {args.profile}: {error.strerror}; give a directory this process can write")
-    run(args.shape, args.steps, args.warmup, extra, args.profile, args.baseline)
+    try:
+        inductor = inductor_settings(args.inductor)
+    except ValueError as error:
+        parser.error(str(error))
+    run(args.shape, args.steps, args.warmup, extra, args.profile, args.baseline, inductor)
     return 0
 
 

@@ -12,10 +12,14 @@ Most needed first, so that a call cut short by --budget has measured those:
 - llama3.2-3b at seq 8192 and eight layers of llama3-8b at seq 4096, with their defaults;
 - GQA attention alone with the KV heads as dtrain passes them and expanded to the query heads.
 
-The group `te-one-gpu` measures Transformer Engine beside torchao in one call (TE must be installed
-first: ../shared/te/README.md), each FP8 setup of llama-1b blocks only and with the head, torchao
-run both before and after TE so that an order effect shows; the delayed recipe also profiled, where
-host-bound gaps would show as idle time.
+The group `dense-compile-options` measures llama-1b (FP8 with the head, and bf16) with inductor's
+settings as they are, with kernels launched from C++ (cpp_wrapper) and with independent kernels
+launched together (combo_kernels): the FP8 steps leave the GPU idle while the host launches.
+
+The group `te-one-gpu` measures Transformer Engine beside torchao in one call (TE installed first),
+each FP8 setup of llama-1b, blocks only and with the head; torchao and TE's delayed recipe each
+run early and again later, so that an order effect shows; TE's delayed run is profiled, where
+host-bound gaps show as idle time; and TE with --fuse-projections (four TE calls per block).
 """
 
 from __future__ import annotations
@@ -47,11 +51,22 @@ SETUPS: dict[str, tuple[int, list[str]]] = {
            ("torchao head", FP8_HEAD, []),
            ("te delayed head", [*TE, "delayed", "--fp8-head"], []),
            ("te current head", [*TE, "current", "--fp8-head"], []),
+           ("te delayed again", [*TE, "delayed"], []),
        )},
 }
+
+# Compiler settings that launch fewer kernels from Python (the host-bound gaps of FP8 steps):
+# kernels launched from C++, independent kernels launched together; beside the settings as they are.
+COMPILE_OPTIONS = {"as they are": [], "cpp-wrapper": ["--inductor", "cpp_wrapper=True"],
+                   "combo-kernels": ["--inductor", "combo_kernels=True"]}
+SETUPS.update({f"llama-1b compile {precision} {name}": (1, ["--shape", "llama-1b-defaults", *options, *STEPS, "--",
+                                                            "--compile", *flags])
+               for precision, flags in (("fp8 head", FP8_HEAD), ("bf16", []))
+               for name, options in COMPILE_OPTIONS.items()})
 
 GROUPS: dict[str, list[str]] = {
     "dense-one-gpu": ["llama-1b defaults", "llama-1b defaults fp8 head gb32", "llama-1b defaults gb32",
                       "llama-3b defaults", "llama-8b-8l defaults", "attention gqa layouts"],
     "te-one-gpu": [name for name in SETUPS if "te-check" in name],
+    "dense-compile-options": [name for name in SETUPS if name.startswith("llama-1b compile ")],
 }
