@@ -38,7 +38,8 @@ SETUPS: dict[str, tuple[int, list[str]]] = {
     "llama-1b defaults gb32": (1, ["--shape", "llama-1b-defaults", "--baseline", *STEPS, "--", "--compile",
                                    *BEST_BF16]),
     "llama-3b defaults": (1, ["--shape", "llama-3b-defaults", "--baseline", *STEPS, "--", "--compile"]),
-    "llama-8b-8l defaults": (1, ["--shape", "llama-8b-8l-defaults", "--baseline", *STEPS, "--", "--compile"]),
+    "llama-8b-8l defaults": (1, ["--shape", "llama-8b-4k-defaults", "--baseline", *STEPS, "--", "--compile",
+                                 "--model-overrides", "num_layers=8"]),
     "attention gqa layouts": (1, ["--attention", "gqa-llama-1b,gqa-llama-1b-expanded", "--compile", "--steps", "20"]),
     # Transformer Engine beside torchao, micro-batch 4 as the README's FP8 table (one call: TE installed).
     **{f"llama-1b te-check {name}": (1, ["--shape", "llama-1b", *STEPS, *profile, "--", "--compile", *flags])
