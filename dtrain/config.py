@@ -54,8 +54,9 @@ class ParallelArgs:
         choices=("fsdp", "zero1"))
     fsdp_reshard_after_forward: str = _field(
         "default", "free each block's gathered parameters after its forward (always), keep them until its "
-                   "backward (never: more memory, no backward all-gather), or default: always except the last "
-                   "block and under pipelining", choices=("default", "always", "never"))
+                   "backward (never: more memory, no backward all-gather), or default: never where the memory "
+                   "model fits it on the GPU, else always except the last block, and never under pipelining",
+        choices=("default", "always", "never"))
     fsdp_reduce_once: bool = _field(
         False, "reduce-scatter the gradients once per step, after the last micro-batch, not after each, and keep "
                "the parameters a backward gathered for the next micro-batch: whole gradients and parameters stay "
