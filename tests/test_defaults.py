@@ -8,8 +8,9 @@ from __future__ import annotations
 import attrs
 import pytest
 
+from dtrain.config import load_config
 from dtrain.layout import Machine, defaults, with_choices
-from dtrain.planner import memory
+from dtrain.planner import advice, memory
 from dtrain.run import main
 from tests.layouts import resolved
 
@@ -135,3 +136,15 @@ def test_a_run_logs_each_choice_with_its_reason(tmp_path):
     log = (run_dir / "train.log").read_text()
     assert "--micro-batch 4: the largest that fits 80 GB by the memory model" in log
     assert "micro_batch = 4" in (run_dir / "config.toml").read_text()
+
+
+def test_mesh_auto_keeps_the_planners_resharding(monkeypatch):
+    """The planner scored its layout at the resharding it chose: --mesh auto does not choose again."""
+    base = ["--model", "llama3-8b", "--seq-len", "8192", "--micro-batch", "1", "--compile", "--gpu-memory-gb", "1000"]
+    planners = load_config([*base, "--mesh", "dp=2"])
+    monkeypatch.setattr(advice, "choose", lambda config, world_size: planners)
+    layout = advice.resolve_run(load_config([*base, "--mesh", "auto"]), 2, Machine.gpu_profile("h200"))
+    assert layout.config.parallel.fsdp_reshard_after_forward == "default" and layout.chosen == ()
+    # The same layout given by its user keeps every block gathered on this GPU.
+    given = resolved([*base, "--mesh", "dp=2"], 2, Machine.gpu_profile("h200"))
+    assert given.config.parallel.fsdp_reshard_after_forward == "never"

@@ -42,10 +42,11 @@ CHOICES = {"micro_batch": "data", "global_batch": "data", "recompute": "train", 
            "cpu_offload": "parallel"}
 
 
-def resolve(config: Config, world_size: int | None, machine: Machine) -> RunLayout:
+def resolve(config: Config, world_size: int | None, machine: Machine, planned: bool = False) -> RunLayout:
     """The run of `config` on `world_size` ranks (None: the product of the --mesh sizes) of
     `machine`: every check of its options, then every decision. `--mesh auto` is the planner's to
-    choose first (dtrain.planner.advice.resolve_run)."""
+    choose first (dtrain.planner.advice.resolve_run); `planned`: the planner chose the layout, so
+    no option is chosen again for the GPU (defaults.py)."""
     model_cfg = get_model_config(config.model.model, config.model.model_overrides)
     mesh = MeshSpec.parse(config.parallel.mesh, world_size)
     unset, memory_gb = defaults.unset_sizes(config), defaults.memory_to_size_for(config, machine)
@@ -75,8 +76,10 @@ def resolve(config: Config, world_size: int | None, machine: Machine) -> RunLayo
         masked_kernels=masked_attention.kernels(t.attention_kernel, machine.device_type, COMPUTE_DTYPES[t.precision]),
         fp8=_fp8_layout(config, model_cfg, mesh, machine), fuse_projections=t.fuse_projections,
         loss_chunk_tokens=t.loss_chunk_tokens, **chosen)
-    layout = defaults.choose(RunLayout(config, machine, model_cfg, mesh, split, parallel), memory_gb,
-                             functools.partial(_vary, default_global_batch="global_batch" in unset), unset)
+    layout = RunLayout(config, machine, model_cfg, mesh, split, parallel)
+    if not planned:
+        vary = functools.partial(_vary, default_global_batch="global_batch" in unset)
+        layout = defaults.choose(layout, memory_gb, vary, unset)
     if "global_batch" in unset and mesh.pp > 1:
         _log_default_global_batch(layout)
     return layout

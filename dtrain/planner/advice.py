@@ -62,7 +62,8 @@ def resolve_run(config: Config, world_size: int | None, machine: Machine) -> Run
     """The layout of a run: `--mesh auto` chosen by the planner first (for `world_size`, 1 if
     None), then resolved (dtrain.layout.resolve)."""
     if config.parallel.mesh == "auto":
-        config = choose(config, world_size or 1)
+        # The planner chose the micro-batch and the resharding too: they stay its choices.
+        return resolve(choose(config, world_size or 1), world_size, machine, planned=True)
     return resolve(config, world_size, machine)
 
 
