@@ -120,6 +120,8 @@ def run_baseline(cfg: LlamaConfig, *, seq_len: int, micro_batch: int, global_bat
     torchao recipe (emulated off Hopper-class GPUs)."""
     device = device or torch.device("cuda")
     on_gpu = device.type == "cuda"
+    # What an earlier run in this process still holds (nothing, where it gave its memory back).
+    held_gb = torch.cuda.memory_allocated(device) / 1e9 if on_gpu else 0.0
     torch.manual_seed(seed)
     with torch.device(device):
         model = Llama(cfg)
@@ -165,5 +167,5 @@ def run_baseline(cfg: LlamaConfig, *, seq_len: int, micro_batch: int, global_bat
         "tokens_per_sec_per_gpu": round(tokens_per_sec, 1), "median_step_s": round(step_s, 4),
         "mfu_pct": round(100 * flops.flops_per_token(cfg, seq_len) * tokens_per_sec / peak, 2) if peak else None,
         "peak_mem_gb": round(peak_memory_gb(device), 2), "final_loss": round(float(loss.detach()), 4),
-        "fp8": fp8, "fp8_head": fp8_head, "compile": compile_,
+        "fp8": fp8, "fp8_head": fp8_head, "compile": compile_, "held_before_gb": round(held_gb, 2),
     }
