@@ -82,3 +82,13 @@ def test_compiler_settings_are_parsed_as_literals_of_known_keys():
     for bad in ("no_such_setting=1", "cpp_wrapper", "cpp_wrapper=yes please"):
         with pytest.raises(ValueError, match="--inductor"):
             bench.inductor_settings([bad])
+
+
+def test_the_baseline_refuses_what_a_plain_llama_does_not_run():
+    from models.presets import get_model_config
+    from tools.baseline import unsupported
+
+    assert unsupported(get_model_config("llama-1b")) is None
+    assert unsupported(get_model_config("tiny-qwen3")) == "qk_norm"
+    assert unsupported(get_model_config("tiny-moe")) == "MoEConfig models"
+    assert unsupported(get_model_config("tiny"), document_mask=True) == "--document-mask"
