@@ -46,12 +46,12 @@ SETUPS: dict[str, tuple[int, list[str]]] = {
        for name, flags, profile in (
            ("torchao", ["--fp8", "tensorwise"], []),
            ("te delayed", [*TE, "delayed"], ["--profile", "{out_dir}/profiles/llama-1b-te-delayed"]),
-           ("te current", [*TE, "current"], []),
-           ("te delayed fused", [*TE, "delayed", "--fuse-projections"], []),
-           ("torchao again", ["--fp8", "tensorwise"], []),
            ("torchao head", FP8_HEAD, []),
            ("te delayed head", [*TE, "delayed", "--fp8-head"], []),
+           ("te delayed fused", [*TE, "delayed", "--fuse-projections"], []),
+           ("te current", [*TE, "current"], []),
            ("te current head", [*TE, "current", "--fp8-head"], []),
+           ("torchao again", ["--fp8", "tensorwise"], []),
            ("te delayed again", [*TE, "delayed"], []),
        )},
 }
