@@ -413,7 +413,8 @@ def test_mla_head_dims_run_on_a_fused_kernel_in_bf16_and_compile_whole(pad_value
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from models.context import causal_attention
-    from parallel.context import CUDA_ATTENTION_PRIORITY, cudnn_takes_head_dims, fused_causal_attention
+    from parallel.context import CUDA_ATTENTION_PRIORITY
+    from parallel.fused_attention import cudnn_takes_head_dims, fused_causal_attention
 
     if pad_values is False and not cudnn_takes_head_dims(torch.cuda.current_device(), torch.bfloat16, 192, 128, True):
         pytest.skip("cuDNN does not take head dims 192/128 with this torch and cuDNN")

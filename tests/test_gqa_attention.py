@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.context import causal_attention
-from parallel.context import expand_heads, fused_causal_attention, gqa_layout
+from parallel.fused_attention import expand_heads, fused_causal_attention, gqa_layout
 
 
 def _inputs(device, dtype, batch=2, seq=256, heads=8, kv_heads=2, head_dim=64):

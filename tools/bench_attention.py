@@ -30,7 +30,8 @@ from models.config import DeepSeekConfig
 from models.context import LocalContext
 from models.layers import attention_block
 from models.presets import get_model_config
-from parallel.context import CUDA_ATTENTION_PRIORITY, cudnn_takes_head_dims, fused_causal_attention, gqa_layout
+from parallel.context import CUDA_ATTENTION_PRIORITY
+from parallel.fused_attention import cudnn_takes_head_dims, fused_causal_attention, gqa_layout
 from tools.commit import commit_hash
 
 # name -> (preset, changes to it, values padded on purpose, K/V expanded to the query heads on
