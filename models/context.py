@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import is_fake
 
 from models import masking
 from models.config import ClampedSwiGLU
@@ -107,7 +107,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _attention_with_sinks(q, k, v, sinks, dense, scale)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = k.shape[1] != q.shape[1]
-    if dense is None and isinstance(q, FakeTensor) and v.shape[-1] < q.shape[-1]:
+    if dense is None and is_fake(q) and v.shape[-1] < q.shape[-1]:
         # Fake tensors (`--dry-run`) stand for the GPUs' fused kernels, which keep no scores; the
         # CPU's fused kernel wants v as wide as q (MLA's is narrower), else the math path keeps
         # every score: v is padded and the output cut back.
@@ -142,13 +142,14 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `grouped_swiglu` can use torch's grouped GEMM kernel for these tensors.
 
     CUDA only: the CPU kernel is correct (tests/test_moe.py) but CPU runs are small and the
-    loop is the simpler path there. The CUDA kernel wants 16-byte aligned rows, which for every
-    dtype here means embed and mlp widths that are multiples of 8. Fake tensors (`--dry-run`) take
-    the GPUs' path: the loop reads the row counts, which they do not hold.
+    loop is the simpler path there. Fake tensors (a dry run, which runs a GPU's program without
+    data) take the kernel too: the loop reads the row counts, which they do not hold. The CUDA
+    kernel wants 16-byte aligned rows, which for every dtype here means embed and mlp widths
+    that are multiples of 8.
     """
     return (
         hasattr(F, "grouped_mm")
-        and (x.is_cuda or isinstance(x, FakeTensor))
+        and (x.is_cuda or is_fake(x))
         and x.dtype in (torch.bfloat16, torch.float32)
         and all(w.dtype == x.dtype for w in weights)
         and all(size % 8 == 0 for w in weights for size in w.shape[1:])

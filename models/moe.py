@@ -39,10 +39,12 @@ class Routing(NamedTuple):
 
 
 class Dispatch(NamedTuple):
-    """Which token slots (token t's j-th choice is slot t * k + j) go to the experts, in expert order."""
+    """Every token slot (token t's j-th choice is slot t * k + j) in the order the experts take them:
+    the kept slots sorted by expert id, then (with a capacity) the dropped ones. Static shapes: no
+    count is read on the host."""
 
-    slots: torch.Tensor       # [S] long, kept slots sorted by expert id
-    counts: torch.Tensor      # [E] long, kept slots per expert (sums to S)
+    slots: torch.Tensor       # [T * k] long, a permutation of the slots: the kept first, by expert
+    counts: torch.Tensor      # [E] long, kept slots per expert (their sum: how many lead `slots`)
     num_dropped: torch.Tensor  # [] long, slots over capacity
 
 
@@ -124,7 +126,7 @@ def expert_load(routing: Routing, num_experts: int) -> torch.Tensor:
 
 def dispatch(routing: Routing, load: torch.Tensor, capacity: int | None) -> Dispatch:
     """Sorts token slots by expert (`load`: `expert_load` of the routing); with a capacity, each
-    expert keeps its highest-scoring slots."""
+    expert keeps its highest-scoring slots and the others follow all kept ones."""
     expert_of_slot = routing.expert_ids.flatten()
     if capacity is None:
         slots = torch.argsort(expert_of_slot, stable=True)
@@ -133,25 +135,32 @@ def dispatch(routing: Routing, load: torch.Tensor, capacity: int | None) -> Disp
     # expert: within each expert's group the best come first and the tail is what is dropped.
     score_of_slot = routing.scores.gather(-1, routing.expert_ids).flatten()
     by_score = torch.argsort(score_of_slot, descending=True, stable=True)
-    slots = by_score[torch.argsort(expert_of_slot[by_score], stable=True)]
-    group_start = torch.cumsum(load, 0) - load
-    rank_in_group = torch.arange(slots.numel(), device=slots.device) - group_start[expert_of_slot[slots]]
+    by_expert = by_score[torch.argsort(expert_of_slot[by_score], stable=True)]
+    expert = expert_of_slot[by_expert]
+    rank_in_group = torch.arange(by_expert.numel(), device=by_expert.device) - (torch.cumsum(load, 0) - load)[expert]
     counts = load.clamp(max=capacity)
-    slots = slots[rank_in_group < capacity]
+    dropped = rank_in_group >= capacity
+    # Each slot's place: a kept one among its expert's kept slots, a dropped one after all kept
+    # ones (in expert order). Computed on the device, so the number kept is never read.
+    kept_start = torch.cumsum(counts, 0) - counts
+    place = torch.where(dropped, counts.sum() + torch.cumsum(dropped, 0) - 1, kept_start[expert] + rank_in_group)
+    slots = torch.empty_like(by_expert).scatter_(0, place, by_expert)
     return Dispatch(slots, counts, load.sum() - counts.sum())
 
 
-def combine(expert_out_SD: torch.Tensor, routing: Routing, slots: torch.Tensor) -> torch.Tensor:
-    """Weights each expert output by its token's routing weight and sums each token's k outputs.
+def combine(expert_out_SD: torch.Tensor, weights_TK: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Weights each expert output by its token's routing weight and sums each token's k outputs;
+    `expert_out_SD` holds slot `slots[i]`'s output in row i (`slots` a permutation of all T * k
+    slots, as `dispatch` gives them; rows of dropped slots must be zero).
 
-    Done by un-permuting into a [T * k, D] buffer and summing over k rather than with index_add:
-    the sum is then in a fixed order, so results do not vary from run to run on GPU. Dropped
-    slots stay zero. Products and sum in fp32, as the weights are.
+    Each slot's row is gathered back to slot order and the k of a token summed in order, rather
+    than added with index_add: the sum is in a fixed order, so results do not vary from run to
+    run on GPU. Products and sum in fp32, as the weights are.
     """
-    num_tokens, top_k = routing.expert_ids.shape
-    weighted = expert_out_SD.float() * routing.weights.flatten()[slots, None]
-    unsorted = weighted.new_zeros(num_tokens * top_k, expert_out_SD.shape[-1]).index_copy(0, slots, weighted)
-    return unsorted.view(num_tokens, top_k, -1).sum(1).to(expert_out_SD.dtype)
+    num_tokens, top_k = weights_TK.shape
+    row_of_slot = torch.empty_like(slots).scatter_(0, slots, torch.arange(slots.numel(), device=slots.device))
+    weighted = expert_out_SD[row_of_slot].float() * weights_TK.flatten()[:, None]
+    return weighted.view(num_tokens, top_k, -1).sum(1).to(expert_out_SD.dtype)
 
 
 class AddAuxiliaryLoss(torch.autograd.Function):
@@ -256,22 +265,28 @@ def moe_forward(p: dict, x: torch.Tensor, cfg: MoEConfig, ctx: ModelContext, *, 
     capacity = expert_capacity(cfg, num_tokens)
     out_TD = None
     num_dropped = torch.zeros((), dtype=torch.long, device=load.device)
-    tokens_in, combined = x_TD, routing
+    tokens_in, output_weights = x_TD, routing.weights
     if cfg.scale_expert_inputs:
         # The weight scales what each expert sees, and the outputs are summed unweighted. With one
         # expert a token, the scaled token is that expert's row, whichever way rows travel.
-        ones = torch.ones_like(routing.weights)
-        combined = routing._replace(weights=ones)
+        output_weights = torch.ones_like(routing.weights)
         tokens_in = x_TD * routing.weights.to(x_TD.dtype) if cfg.top_k == 1 else None
     if capacity is None and tokens_in is not None:
-        out_TD = ctx.experts_on_tokens(tokens_in, routing.expert_ids, combined.weights, *expert_weights, **variant)
+        out_TD = ctx.experts_on_tokens(tokens_in, routing.expert_ids, output_weights, *expert_weights, **variant)
     if out_TD is None:  # the rows of each expert, sorted by expert
         dispatched = dispatch(routing, load, capacity)
         rows = x_TD[dispatched.slots // cfg.top_k]
         if cfg.scale_expert_inputs:
             rows = rows * routing.weights.flatten()[dispatched.slots, None].to(rows.dtype)
+        if capacity is not None:
+            # The dropped slots' rows follow the kept ones: zero in, and zero out whatever the
+            # experts leave past the rows they count (neither values nor gradients leak).
+            kept = (torch.arange(rows.shape[0], device=rows.device) < dispatched.counts.sum())[:, None]
+            rows = torch.where(kept, rows, 0)
         expert_out_SD = ctx.experts(rows, dispatched.counts, *expert_weights, **variant)
-        out_TD = combine(expert_out_SD, combined, dispatched.slots)
+        if capacity is not None:
+            expert_out_SD = torch.where(kept, expert_out_SD, 0)
+        out_TD = combine(expert_out_SD, output_weights, dispatched.slots)
         num_dropped = dispatched.num_dropped
     if "shared" in p:
         out_TD = out_TD + swiglu_block(p["shared"], x_TD, ctx)

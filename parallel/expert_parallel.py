@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from models.context import ExpertBiases, grouped_swiglu
 from models.errors import UserError
+from models.moe import combine
 from parallel import collectives
 
 
@@ -103,8 +104,10 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
     send_and_receive = torch.stack([counts.view(ep, local_experts).sum(1), received_counts.sum(1)])
     send_splits, receive_splits = _split_sizes(send_and_receive, x.shape[0], ep)
     total_received = sum(receive_splits)
+    # Rows past the counted ones (slots over capacity) stay here, and come back zero.
+    surplus = x.shape[0] - sum(send_splits)
 
-    received = collectives.all_to_all(x, receive_splits, send_splits, group)
+    received = collectives.all_to_all(x[:sum(send_splits)], receive_splits, send_splits, group)
 
     destination = _expert_major_positions(received_counts, total_received)
     gather_order = torch.empty_like(destination).scatter_(
@@ -114,7 +117,8 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
                            w_down_local, **_variant(biases, glu))
     out_received = out_by_expert[destination]
 
-    return collectives.all_to_all(out_received, send_splits, receive_splits, group)
+    out = collectives.all_to_all(out_received, send_splits, receive_splits, group)
+    return torch.cat([out, out.new_zeros(surplus, out.shape[1])]) if surplus else out
 
 
 def _split_sizes(send_and_receive: torch.Tensor, rows: int, ep: int) -> list[list[int]]:
@@ -158,10 +162,7 @@ def _gathered_slots_through_local_experts(all_x: torch.Tensor, all_ids: torch.Te
     hidden = torch.where(valid, all_x[order // top_k], 0)
     out_sorted = torch.where(valid, swiglu(hidden, local_counts, w_gate_local, w_up_local, w_down_local,
                                            **_variant(biases, glu)), 0)
-    # As `models.moe.combine`: weighted in fp32, back in slot order, summed over each token's k.
-    weighted = out_sorted.float() * all_weights.flatten()[order, None]
-    by_slot = torch.zeros_like(weighted).index_copy(0, order, weighted)
-    return by_slot.view(-1, top_k, all_x.shape[-1]).sum(1).to(all_x.dtype)
+    return combine(out_sorted, all_weights, order)
 
 
 def expert_parallel_tokens_allgather(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,

@@ -152,7 +152,7 @@ def _token_reference(per_rank, weights):
         slots = torch.argsort(ids.flatten(), stable=True)
         counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)
         rows = LocalContext().experts(x[slots // TOP_K], counts, *full)
-        out = moe.combine(rows, moe.Routing(ids, routing, None, None), slots)
+        out = moe.combine(rows, routing, slots)
         (out * grad).sum().backward()
         outputs.append(out.detach())
         x_grads.append(x.grad)
