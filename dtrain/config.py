@@ -135,9 +135,11 @@ class TrainArgs:
     fp8_keep_ends: bool = _field(False, "keep the first and last blocks in bf16 under --fp8")
     fp8_head: bool = _field(False, "under --fp8, run the output projection in FP8 too (bf16 by default: its "
                                    "logits feed the loss directly)")
-    fp8_experts: bool = _field(False, "with --fp8-backend te, the routed experts' grouped GEMMs in FP8 too (measured "
-                                      "slower than the bf16 experts on an H200 at Mixtral-small's and DeepSeek's "
-                                      "shapes: see the README)")
+    fp8_experts: bool = _field(False, "the routed experts' grouped GEMMs in FP8: torchao's rowwise-scaled grouped "
+                                      "GEMMs (no host sync; with or without --fp8 for the other matmuls; emulated "
+                                      "where no FP8 kernel runs), or with --fp8-backend te Transformer Engine's "
+                                      "(reads each block's row counts on the host); the run says at start whether "
+                                      "the planner expects them faster than bf16 at the model's shape")
     fp8_all_gather: bool = _field(True, "under --fp8 tensorwise with FSDP over CUDA GPUs and tp=1, all-gather the "
                                         "FP8 blocks' matmul weights in float8 (half the bytes of bf16)")
     compile: bool = _field(False, "torch.compile each transformer block")

@@ -192,12 +192,21 @@ def _bias_of_rows(bias: torch.Tensor, offs: torch.Tensor, rows: int) -> torch.Te
     return F.pad(bias, (0, 0, 0, 1))[expert_of_row]
 
 
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Each group of rows of x (groups ending at `offs`) times its expert's w [experts, out, in]
+    transposed: torch's grouped GEMM, which reads the offsets on the device (no host sync)."""
+    return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                    w_down: torch.Tensor, use_grouped_mm: bool | None = None, *, biases: ExpertBiases | None = None,
-                   glu: ClampedSwiGLU | None = None) -> torch.Tensor:
+                   glu: ClampedSwiGLU | None = None, mm=None) -> torch.Tensor:
     """`ModelContext.experts` on local tensors: one grouped GEMM per projection where the kernel
     is supported (`use_grouped_mm=None` decides), else a loop over the experts; with `biases`
-    each row gets its expert's, between the GEMMs."""
+    each row gets its expert's, between the GEMMs. `mm(x, w, offs)` is the grouped GEMM (as
+    `_grouped_mm`; FP8 experts pass theirs), which implies the grouped path."""
+    if mm is not None:
+        use_grouped_mm = True
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(x, w_gate, w_up, w_down)
     # No rows at all happens under expert parallelism, to a rank whose experts no token chose.
@@ -205,14 +214,13 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, 
     # strides are degenerate); the loop gives every weight its zero gradient, which FSDP's
     # reduce-scatter over the ranks that share these experts needs from every rank.
     if use_grouped_mm and x.shape[0] > 0:
-        # Cumulative group ends; the kernel reads them on the device, so no host sync.
+        mm = mm or _grouped_mm
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate = F.grouped_mm(x, w_gate.transpose(-2, -1), offs=offs)
-        up = F.grouped_mm(x, w_up.transpose(-2, -1), offs=offs)
+        gate, up = mm(x, w_gate, offs), mm(x, w_up, offs)
         if biases is not None:
             gate = gate + _bias_of_rows(biases.gate, offs, x.shape[0])
             up = up + _bias_of_rows(biases.up, offs, x.shape[0])
-        out = F.grouped_mm(gated_unit(gate, up, glu), w_down.transpose(-2, -1), offs=offs)
+        out = mm(gated_unit(gate, up, glu), w_down, offs)
         if biases is not None:
             out = out + _bias_of_rows(biases.down, offs, x.shape[0])
         return _ContiguousGrad.apply(out)

@@ -76,10 +76,12 @@ class ParallelContext(ExpertParallelContextMixin, LocalContext):
         # Ranks holding other tokens of the same samples: cp always, tp inside `per_token`.
         self.token_shard_groups = meshes.groups(spec.token_shard_dims)
 
-    def with_fp8(self, fp8_linear) -> ParallelContext:
-        """The same context with its matmuls in FP8 (given to the blocks that use it)."""
+    def with_fp8(self, fp8_linear, grouped_experts=None) -> ParallelContext:
+        """The same context with its matmuls in FP8 (given to the blocks that use it), and its
+        routed experts in torchao's FP8 grouped GEMMs where `grouped_experts` is given."""
         ctx = copy.copy(self)
         ctx.fp8_linear = fp8_linear
+        ctx.fp8_grouped_experts = grouped_experts
         return ctx
 
     def linear(self, x, weight):

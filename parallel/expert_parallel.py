@@ -53,6 +53,7 @@ from models.context import ExpertBiases, grouped_swiglu
 from models.errors import UserError
 from models.moe import combine
 from parallel import collectives
+from parallel.fp8_experts import Fp8GroupedExperts
 
 
 def _check_shapes(x, counts, weights, num_experts: int, ep: int) -> int:
@@ -264,11 +265,13 @@ def _on_local_tensors(exchange, x, inputs: dict[str, torch.Tensor], biases: Expe
 
 
 def _local_swiglu(compile_experts: bool, fp8_experts, group: dist.ProcessGroup | None, num_experts: int, **options):
-    """What computes this rank's experts: FP8 experts (`parallel.te_experts.LayerExperts`) told the
-    global id of the rank's first expert, else the bf16 grouped GEMM, compiled with `options`
-    where `compile_experts`."""
+    """What computes this rank's experts: FP8 experts told the global id of the rank's first expert
+    (torchao's compiled with `options` where `compile_experts`; Transformer Engine's is one custom
+    op), else the bf16 grouped GEMM, compiled likewise."""
     if fp8_experts is not None:
         rank = dist.get_rank(group) if ep_size(group) > 1 else 0
+        if compile_experts and isinstance(fp8_experts, Fp8GroupedExperts):
+            fp8_experts = _compiled(fp8_experts, **options)
         return functools.partial(fp8_experts, first=rank * (num_experts // ep_size(group)))
     return _compiled(grouped_swiglu, **options) if compile_experts else grouped_swiglu
 
@@ -320,14 +323,19 @@ class ExpertParallelContextMixin:
     ep_dispatch: str = "alltoall"
     compile_experts: bool = False
     fp8_linear = None
+    # torchao's FP8 grouped GEMMs (parallel.fp8_experts.Fp8GroupedExperts) where the layer's
+    # experts run them (--fp8-experts with the torchao backend).
+    fp8_grouped_experts = None
 
     @property
     def fp8_experts(self):
-        """The layer's FP8 experts (`parallel.te_experts.LayerExperts`), None where they are bf16."""
-        return getattr(self.fp8_linear, "experts", None)
+        """The layer's FP8 experts, called as the experts op on local tensors (plus `first`, the
+        global id of the rank's first expert): Transformer Engine's (`parallel.te_experts.
+        LayerExperts`) or torchao's grouped GEMMs; None where they are bf16."""
+        return getattr(self.fp8_linear, "experts", None) or self.fp8_grouped_experts
 
     def _check_fp8_takes(self, variant: dict) -> None:
-        if self.fp8_experts is not None and variant:
+        if getattr(self.fp8_linear, "experts", None) is not None and variant:
             raise UserError("Transformer Engine's FP8 experts run plain SwiGLU without biases; these experts have "
                             "biases or gpt-oss's clamped unit: drop --fp8-experts")
 
@@ -344,9 +352,9 @@ class ExpertParallelContextMixin:
         variant = _variant(biases, glu)
         self._check_fp8_takes(variant)
         if ep_size(self.ep_group) == 1 and self.fp8_experts is not None:
-            # In the block's graph (a custom op), on the local tensors.
+            # In the block's graph, on the local tensors.
             inputs = {"counts": counts, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
-            return _on_local_tensors(self.fp8_experts, x, inputs)
+            return _on_local_tensors(self.fp8_experts, x, inputs, biases, **_variant(None, glu))
         if ep_size(self.ep_group) == 1:
             return super().experts(x, counts, w_gate, w_up, w_down, **variant)
         return experts_over_group(x, counts, w_gate, w_up, w_down, group=self.ep_group,

@@ -27,7 +27,6 @@ class FP8Layout:
     backend: str = "torchao"
     layers: frozenset[str] = frozenset()  # the blocks whose matmuls run in FP8 (`blocks.3`)
     head: bool = False                    # the output projection too
-    experts: bool = False                 # the routed experts' grouped GEMMs too (Transformer Engine)
     # FSDP all-gathers the FP8 blocks' matmul weights in float8; else why not (precision.py).
     all_gather: bool = False
     all_gather_blocker: str | None = None
@@ -36,8 +35,22 @@ class FP8Layout:
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe, "backend": self.backend, "layers": sorted(self.layers, key=_layer_order),
-                "head": self.head, "experts": self.experts, "all_gather": self.all_gather,
+                "head": self.head, "all_gather": self.all_gather,
                 "all_gather_blocker": self.all_gather_blocker}
+
+
+@attrs.frozen
+class FP8ExpertsLayout:
+    """The routed experts' grouped GEMMs in FP8 (--fp8-experts): torchao's rowwise-scaled ones
+    (parallel/fp8_experts.py), with or without FP8 for the other matmuls, or Transformer Engine's
+    beside its FP8 matmuls (parallel/te_experts.py)."""
+
+    backend: str = "torchao"              # "torchao" or "te"
+    layers: frozenset[str] = frozenset()  # the blocks whose routed experts run in FP8 (`blocks.3`)
+    emulated: bool = True                 # torchao's casts emulated: no FP8 grouped GEMM on this machine
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "layers": sorted(self.layers, key=_layer_order), "emulated": self.emulated}
 
 
 @attrs.frozen
@@ -87,6 +100,7 @@ class ParallelLayout:
     recompute: str = "none"               # the blocks' mode ...
     full_recompute: frozenset[str] = frozenset()  # ... but these blocks recompute in full
     fp8: FP8Layout | None = None
+    fp8_experts: FP8ExpertsLayout | None = None
     fuse_projections: bool = False
     loss_chunk_tokens: int = 0
     fsdp: FSDPLayout = FSDPLayout()

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models import mixtral, spec
 from parallel import data_parallel, precision, recompute, te_experts, tensor_parallel
+from parallel import fp8_experts as fp8_grouped
 from parallel.context import ParallelContext
 from parallel.layout import ParallelLayout
 from parallel.mesh import Meshes
@@ -30,6 +31,8 @@ def parallelize(layers: list[spec.Layer], layout: ParallelLayout, meshes: Meshes
     model = ModelModule(layers, _param_maker(layout, meshes), ctx)
     if fp8 is not None:
         _apply_fp8(model, layout, ctx, fp8)
+    if layout.fp8_experts is not None and layout.fp8_experts.backend == "torchao":
+        _apply_fp8_grouped_experts(model, layout)
     options = {"options": {"_micro_pipeline_tp": True}} if layout.async_tp else {}
     for block in model.transformer_layers():
         block.forward_fn = recompute.wrap(block.forward_fn, layout.recompute_of(block.layer_name))
@@ -72,13 +75,23 @@ def _apply_fp8(model: ModelModule, layout: ParallelLayout, ctx: ParallelContext,
     if not fp8_modules:
         return
     layer_fp8 = fp8.for_layers({m.layer_name: _fp8_matmuls(m.layer_name, model.specs) for m in fp8_modules})
-    if layout.fp8.experts:
+    experts = layout.fp8_experts
+    if experts is not None and experts.backend == "te":
         routed = {m.layer_name: _routed_experts(m.layer_name, model.specs) for m in fp8_modules}
-        for name, experts in te_experts.for_layers(fp8, {n: e for n, e in routed.items() if e}).items():
-            layer_fp8[name].experts = experts
+        for name, layer_experts in te_experts.for_layers(fp8, {n: e for n, e in routed.items() if e}).items():
+            layer_fp8[name].experts = layer_experts
     for module in fp8_modules:
         module.ctx = ctx.with_fp8(layer_fp8[module.layer_name])
         module.forward_fn = layer_fp8[module.layer_name].wrap_forward(module.forward_fn)
+
+
+def _apply_fp8_grouped_experts(model: ModelModule, layout: ParallelLayout) -> None:
+    """torchao's FP8 grouped GEMMs for the routed experts of the blocks that run them: stateless,
+    one for all of them, beside whatever their other matmuls run in."""
+    grouped = fp8_grouped.Fp8GroupedExperts(native=not layout.fp8_experts.emulated)
+    for block in model.transformer_layers():
+        if block.layer_name in layout.fp8_experts.layers and _routed_experts(block.layer_name, model.specs):
+            block.ctx = block.ctx.with_fp8(block.ctx.fp8_linear, grouped_experts=grouped)
 
 
 def _fp8_matmuls(layer_name: str, specs: dict[str, spec.ParamSpec]) -> int:

@@ -2,7 +2,7 @@
 the permutation, the grouped GEMMs (the kernel a GPU runs) and the un-permutation run from counts
 that stay device tensors, in every expert variant, dropless and with a capacity.
 
-On CPU the block runs forward and backward on fake tensors, which hold no values: any read of a
+On CPU the block runs forward and backward on fake tensors, in bf16 experts and FP8 ones, which hold no values: any read of a
 value (`.item()`, `.tolist()`, `bool(t)`, `int(t)`) or any shape that depends on values (`nonzero`,
 boolean indexing, `unique`, `bincount`) raises there; `.cpu()` and `.numpy()`, which fake tensors
 allow, are made to raise too. The GPU counterpart (tests/test_moe_gpu.py) runs a compiled step
@@ -20,6 +20,7 @@ from models import moe, spec
 from models.context import LocalContext, grouped_swiglu
 from models.presets import get_model_config
 from parallel.expert_parallel import ExpertParallelContextMixin
+from parallel.fp8_experts import Fp8GroupedExperts
 
 VARIANTS = {
     "mixtral": ("tiny-moe", ""),
@@ -59,12 +60,16 @@ def _run_block(cfg, ctx, dtype=torch.bfloat16) -> None:
     assert x.grad is not None and p["router"].grad is not None
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8 experts"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_a_routed_block_forward_and_backward_reads_nothing_back(variant, no_host_copies):
+def test_a_routed_block_forward_and_backward_reads_nothing_back(variant, fp8, no_host_copies):
     preset, overrides = VARIANTS[variant]
     cfg = get_model_config(preset, overrides)
+    ctx = _SingleDeviceContext()
+    if fp8:  # the FP8 experts' aligned layout and casts (emulated: no FP8 kernel on fake tensors)
+        ctx.fp8_grouped_experts = Fp8GroupedExperts(native=False)
     with FakeTensorMode():
-        _run_block(cfg, _SingleDeviceContext())
+        _run_block(cfg, ctx)
 
 
 @pytest.mark.parametrize("read", ["tolist", "int"])

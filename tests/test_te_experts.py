@@ -210,10 +210,11 @@ def test_compiled_blocks_keep_the_fp8_experts_op_in_one_graph_and_the_eager_loss
 @pytest.mark.parametrize("args,message", [
     (["--model", "tiny", "--fp8", "delayed", "--fp8-backend", "te", "--fp8-experts"],
      "this model has no routed experts"),
-    (["--model", "tiny-moe", "--fp8", "tensorwise", "--fp8-experts"], "give --fp8 RECIPE --fp8-backend te with it"),
-    (["--model", "tiny-moe", "--fp8-experts"], "give --fp8 RECIPE --fp8-backend te with it"),
+    (["--model", "tiny-moe", "--fp8-backend", "te", "--fp8-experts"], "give --fp8 RECIPE with it"),
+    (["--model", "tiny-gpt-oss", "--fp8", "delayed", "--fp8-backend", "te", "--fp8-experts"],
+     "use --fp8-backend torchao for FP8 experts"),
 ])
-def test_fp8_experts_without_te_fp8_or_routed_experts_is_refused_in_one_line(args, message, capsys):
+def test_te_fp8_experts_without_a_recipe_routed_experts_or_plain_swiglu_are_refused_in_one_line(args, message, capsys):
     from dtrain.run import main
 
     with fake_te.installed():

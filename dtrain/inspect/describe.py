@@ -45,8 +45,12 @@ def decision_lines(layout: RunLayout) -> list[str]:
     if par.fp8 is not None:
         fp8 = par.fp8
         gather = "float8" if fp8.all_gather else f"bf16 ({fp8.all_gather_blocker})"
-        lines.append(f"fp8: {fp8.recipe} ({fp8.backend}) on {len(fp8.layers)} blocks{' and the head' * fp8.head}"
-                     f"{', the routed experts too' * fp8.experts}; FSDP gathers their weights in {gather}")
+        lines.append(f"fp8: {fp8.recipe} ({fp8.backend}) on {len(fp8.layers)} blocks{' and the head' * fp8.head}; "
+                     f"FSDP gathers their weights in {gather}")
+    if par.fp8_experts is not None:
+        experts = par.fp8_experts
+        lines.append(f"fp8 experts: {experts.backend}'s grouped GEMMs on the routed experts of {len(experts.layers)} "
+                     f"blocks{' (emulated)' * (experts.backend == 'torchao' and experts.emulated)}")
     full = f" + full on {len(par.full_recompute)} blocks" if par.full_recompute else ""
     lines.append(f"recompute: {par.recompute}{full}")
     fsdp = par.fsdp

@@ -24,7 +24,7 @@ from dtrain.layout.machine import Machine
 from models.config import DeepSeekConfig, MoEConfig
 from models.errors import UserError
 from models.linear_cross_entropy import check_chunk_tokens
-from parallel import pipeline, precision, recompute, te_linear
+from parallel import fp8_experts, pipeline, precision, recompute, te_linear
 from parallel.mesh import MeshSpec
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -178,15 +178,22 @@ def check_kernels(config: Config, model_cfg, mesh: MeshSpec, machine: Machine, t
 
 
 def _check_fp8_experts(t, model_cfg) -> None:
-    """`--fp8-experts` has TE's FP8 and routed experts to run."""
-    if t.fp8_experts and (t.fp8 is None or t.fp8_backend != "te"):
-        raise UserError("--fp8-experts runs the routed experts in Transformer Engine's FP8 grouped GEMM; give "
-                        "--fp8 RECIPE --fp8-backend te with it")
-    if t.fp8_experts and not isinstance(model_cfg, MoEConfig):
+    """`--fp8-experts` has routed experts to run in FP8 and an FP8 kernel that takes them:
+    torchao's FP8 grouped GEMMs (with or without --fp8 for the other matmuls), or Transformer
+    Engine's under --fp8-backend te."""
+    if not t.fp8_experts:
+        return
+    if not isinstance(model_cfg, MoEConfig):
         raise UserError("--fp8-experts: this model has no routed experts; drop the flag")
-    if t.fp8_experts and (model_cfg.expert_bias or model_cfg.expert_glu is not None):
-        raise UserError("--fp8-experts: Transformer Engine's FP8 experts run plain SwiGLU without biases, and this "
-                        "model's experts have biases or gpt-oss's clamped unit; drop the flag (they run in bf16)")
+    if t.fp8_backend == "te":
+        if t.fp8 is None:
+            raise UserError("--fp8-experts with --fp8-backend te runs the routed experts in Transformer Engine's FP8 "
+                            "grouped GEMM; give --fp8 RECIPE with it (or use --fp8-backend torchao)")
+        if model_cfg.expert_bias or model_cfg.expert_glu is not None:
+            raise UserError("--fp8-experts: Transformer Engine's FP8 experts run plain SwiGLU without biases, and "
+                            "this model's experts have biases or gpt-oss's clamped unit; use --fp8-backend torchao "
+                            "for FP8 experts, or drop the flag (they run in bf16)")
+    fp8_experts.check_shapes(model_cfg.dim, model_cfg.expert_ffn_dim)
 
 
 def _matmul_widths(model_cfg, tp: int, head: bool) -> list[int]:

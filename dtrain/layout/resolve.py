@@ -28,7 +28,7 @@ from models.config import MoEConfig
 from models.presets import get_model_config
 from parallel import data_parallel, masked_attention, pipeline, precision, recompute, tensor_parallel
 from parallel.expert_parallel import choose_dispatch
-from parallel.layout import COMPUTE_DTYPES, FP8Layout, FSDPLayout, ParallelLayout, PipelineLayout
+from parallel.layout import COMPUTE_DTYPES, FP8ExpertsLayout, FP8Layout, FSDPLayout, ParallelLayout, PipelineLayout
 from parallel.mesh import MeshSpec
 from parallel.plan import Plan
 
@@ -74,7 +74,8 @@ def resolve(config: Config, world_size: int | None, machine: Machine, planned: b
                      if isinstance(model_cfg, MoEConfig) and mesh.ep > 1 else None),
         attention_kernel=t.attention_kernel,
         masked_kernels=masked_attention.kernels(t.attention_kernel, machine.device_type, COMPUTE_DTYPES[t.precision]),
-        fp8=_fp8_layout(config, model_cfg, mesh, machine), fuse_projections=t.fuse_projections,
+        fp8=_fp8_layout(config, model_cfg, mesh, machine), fp8_experts=_fp8_experts_layout(config, model_cfg, machine),
+        fuse_projections=t.fuse_projections,
         loss_chunk_tokens=t.loss_chunk_tokens, **chosen)
     layout = RunLayout(config, machine, model_cfg, mesh, split, parallel)
     if not planned:
@@ -129,9 +130,23 @@ def _fp8_layout(config: Config, model_cfg, mesh: MeshSpec, machine: Machine) -> 
     blocker = precision.float8_all_gather_blocker(t.fp8, t.fp8_backend, t.fp8_all_gather, mesh, machine.device_type)
     return FP8Layout(recipe=t.fp8, backend=t.fp8_backend, layers=precision.fp8_blocks(model_cfg.num_layers,
                                                                                         t.fp8_keep_ends),
-                     head=t.fp8_head, experts=t.fp8_experts, all_gather=blocker is None, all_gather_blocker=blocker,
-                     amax_history=t.fp8_amax_history,
-                     emulated=not (machine.device_type == "cuda" and machine.fp8_matmuls))
+                     head=t.fp8_head, all_gather=blocker is None, all_gather_blocker=blocker,
+                     amax_history=t.fp8_amax_history, emulated=not _runs_fp8_gemms(machine))
+
+
+def _fp8_experts_layout(config: Config, model_cfg, machine: Machine) -> FP8ExpertsLayout | None:
+    """--fp8-experts: the routed experts of the blocks FP8 covers (--fp8-keep-ends leaves out the
+    first and last, with or without --fp8) in FP8 grouped GEMMs: Transformer Engine's under its
+    backend (beside its FP8 matmuls), else torchao's."""
+    t = config.train
+    if not t.fp8_experts:
+        return None
+    return FP8ExpertsLayout(backend=t.fp8_backend, layers=precision.fp8_blocks(model_cfg.num_layers, t.fp8_keep_ends),
+                            emulated=not _runs_fp8_gemms(machine))
+
+
+def _runs_fp8_gemms(machine: Machine) -> bool:
+    return machine.device_type == "cuda" and machine.fp8_matmuls
 
 
 def _with_global_batch(config: Config, mesh: MeshSpec) -> Config:

@@ -112,6 +112,7 @@ class RunLayout:
             "tp_overlap": par.tp_overlap,
             "async_tp": par.async_tp,
             "fp8": par.fp8.to_dict() if par.fp8 is not None else None,
+            "fp8_experts": par.fp8_experts.to_dict() if par.fp8_experts is not None else None,
             "recompute": {"mode": par.recompute,
                           "full": sorted(par.full_recompute, key=lambda n: int(n.split(".")[1]))},
             "fsdp": par.fsdp.to_dict(),

@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "activations, so its layouts need more memory")
     parser.add_argument("--fp8-head", action="store_true", help="under --fp8, the output projection in FP8 too")
     parser.add_argument("--fp8-experts", action="store_true",
-                        help="with --fp8-backend te, the routed experts' grouped GEMMs in FP8 too")
+                        help="the routed experts' grouped GEMMs in FP8 (torchao's, or with --fp8-backend te TE's)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=0,
                         help="the output projection and loss this many tokens at a time (dtrain.run's flag; 0: all)")
     fixed = parser.add_argument_group("a given layout (each fixes that choice; the rest is searched)")
