@@ -63,6 +63,7 @@ def build_training_model(layout: RunLayout, meshes: Meshes, *, device: torch.dev
     built = build_model_parts(layout, meshes, device=device, fp8=fp8)
     if is_main:
         _log_tp_overlap(layout)
+        _log_fp8_experts(layout)
     split = layout.pipeline
     if split.pp == 1:
         return TrainingModel(built.parts, built.ctx, None, None, fp8)
@@ -92,3 +93,26 @@ def _log_tp_overlap(layout: RunLayout) -> None:
                                               fp8_head=fp8 is not None and fp8.head)
     logger.info("tp overlap: %s%s", method, "; separate collectives for " + ", ".join(unfused) + " matmuls"
                 if unfused else "")
+
+
+def _log_fp8_experts(layout: RunLayout) -> None:
+    """Whether the planner expects torchao's FP8 experts to beat bf16 ones at this run's rows per
+    expert (balanced routing) on this machine's GPU: a warning where it does not."""
+    experts = layout.parallel.fp8_experts
+    if experts is None or experts.backend != "torchao":
+        return
+    from dtrain.planner import gpus
+
+    hw, model_cfg, mesh = gpus.profile(layout.machine.gpu), layout.model_cfg, layout.mesh
+    rows = layout.tokens_per_micro_batch / mesh.tp * model_cfg.top_k * mesh.ep / model_cfg.num_experts
+    gain = hw.fp8_experts_gain(model_cfg.num_experts, model_cfg.dim, model_cfg.expert_ffn_dim, rows)
+    shape = (f"{model_cfg.num_experts} experts of {model_cfg.dim} x {model_cfg.expert_ffn_dim}, about {rows:,.0f} rows "
+             f"each per micro-batch")
+    if gain > 1:
+        logger.info("FP8 experts (torchao's grouped GEMMs): the planner expects them %.2fx as fast as bf16 experts "
+                    "(%s, casts included, %s rates)", gain, shape, hw.name)
+    else:
+        logger.warning("FP8 experts (torchao's grouped GEMMs): the planner expects them slower than bf16 experts "
+                       "here (%.2fx; %s, casts included, %s rates): their casts cost more than the FP8 GEMMs save; "
+                       "drop --fp8-experts, or give each expert more rows (a larger --micro-batch or ep)",
+                       gain, shape, hw.name)

@@ -85,6 +85,8 @@ def profile(name: str, memory_gb: float | None = None, inter_node_gb_s: float | 
     # much as its FLOPs grow with the FLOP rate over the bandwidth.
     rates["grouped_gemm_half_rows"] = H200.grouped_gemm_half_rows * (rates["gemm_tflops"] / H200.gemm_tflops) / (
         rates["hbm_tb_s"] / H200.hbm_tb_s)
+    rates["fp8_grouped_gemm_half_rows"] = H200.fp8_grouped_gemm_half_rows * (
+        rates["fp8_gemm_tflops"] / H200.fp8_gemm_tflops) / (rates["hbm_tb_s"] / H200.hbm_tb_s)
     hardware = attrs.evolve(H200, name=name, gpu_memory_gb=sheet.memory_gb, peak_tflops=sheet.bf16_tflops,
                             fp8_peak_tflops=sheet.fp8_tflops, inter_node_gb_s=sheet.network_gb_s, **rates)
     overrides = {"gpu_memory_gb": memory_gb, "inter_node_gb_s": inter_node_gb_s, **settings}

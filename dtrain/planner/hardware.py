@@ -10,6 +10,8 @@ predicted step moves most with it). Inter-node bandwidth is a setting: no row me
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 TERA = 1e12
@@ -37,6 +39,18 @@ class Hardware:
     # benchmarks/results.jsonl (0.65 of a dense GEMM at their 2,048 rows per expert).
     grouped_gemm_efficiency: float = 0.78
     grouped_gemm_half_rows: float = 406.0
+    # torchao's FP8 rowwise grouped GEMM (--fp8-experts) the same way from the FP8 GEMM rate. A
+    # prior until benchmarks/experts.jsonl holds its rows (`python -m tools.bench_experts`): the
+    # bf16 kernel's efficiency, and twice its rows per expert to reach half of it (FP8 tiles are
+    # larger, so small groups leave more of them idle).
+    fp8_grouped_gemm_efficiency: float = 0.78
+    fp8_grouped_gemm_half_rows: float = 812.0
+    # Bytes the FP8 experts' casts move: per element of a GEMM's input and output widths and row,
+    # as a dense FP8 matmul's dynamic casts (steptime.FP8_CAST_BYTES); per weight element and
+    # micro-batch, two casts of each expert's weight (per output column for the forward, per
+    # input column for the input gradient), each an amax read, a read and a one-byte write.
+    fp8_expert_row_cast_bytes: float = 14.0
+    fp8_expert_weight_cast_bytes: float = 10.0
     # Causal cuDNN attention, fwd+bwd, at long sequences in a whole step (fitted; set by llama-1b at
     # seq 32768 and 65536 on one GPU, and at seq 131072 over cp=2 ring, 8bd94c4 and d5e057e).
     attention_tflops: float = 355.0
@@ -95,6 +109,31 @@ class Hardware:
         inside = nbytes * (in_node - 1) / group / (self.nvlink_gb_s * GIGA)
         outside = nbytes * (group - in_node) / group / (self.inter_node_gb_s * GIGA)
         return max(inside, outside)
+
+    def expert_matmul_seconds(self, shape: tuple[int, ...], routed_rows: float, rows_per_expert: float,
+                              fp8: bool) -> tuple[float, float]:
+        """(GEMM, casts) seconds of one routed-expert weight of `shape` ([experts, out, in] on the
+        rank) over `routed_rows` rows, `rows_per_expert` each, forward and backward: the grouped
+        GEMM at the bf16 or FP8 rate, and FP8's casts of the rows and of every expert's weight."""
+        smaller = min(shape[-2:])
+        flops = 6 * math.prod(shape[-2:]) * routed_rows
+        if fp8:
+            rate, efficiency, half_rows = self.fp8_gemm_tflops, self.fp8_grouped_gemm_efficiency, \
+                self.fp8_grouped_gemm_half_rows
+            cast_bytes = (self.fp8_expert_row_cast_bytes * sum(shape[-2:]) * routed_rows
+                          + self.fp8_expert_weight_cast_bytes * math.prod(shape))
+        else:
+            rate, efficiency, half_rows = self.gemm_tflops, self.grouped_gemm_efficiency, self.grouped_gemm_half_rows
+            cast_bytes = 0.0
+        rate *= smaller / (smaller + self.gemm_half_dim) * efficiency * rows_per_expert / (rows_per_expert + half_rows)
+        return flops / (rate * TERA), cast_bytes / (self.hbm_tb_s * TERA)
+
+    def fp8_experts_gain(self, num_experts: int, dim: int, expert_ffn_dim: int, rows_per_expert: float) -> float:
+        """How many times faster routed experts' GEMMs (with their casts) run in FP8 than in bf16 at
+        `rows_per_expert` rows for each expert: below 1 where FP8 experts do not pay."""
+        shape, rows = (num_experts, expert_ffn_dim, dim), rows_per_expert * num_experts
+        return (sum(self.expert_matmul_seconds(shape, rows, rows_per_expert, fp8=False))
+                / sum(self.expert_matmul_seconds(shape, rows, rows_per_expert, fp8=True)))
 
     def link_gb_s(self, group_span: int) -> float:
         """Bus bandwidth per GPU of a collective over `group_span` consecutive ranks (the group's

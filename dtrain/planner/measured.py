@@ -45,8 +45,8 @@ UNTIMED = (
     (lambda data: data["model"].startswith("deepseek") and "ep=" in data["mesh"],
      "no calibrated rates for DeepSeek's many narrow experts under ep yet"),
     (lambda data: "symm_mem" in data["args"], "no term for the fused symmetric-memory matmuls"),
-    (lambda data: "--fp8-experts" in data["args"],
-     "no term for the FP8 experts' casts, padding and host reads of their row counts"),
+    (lambda data: "--fp8-experts" in data["args"] and "te" in data["args"],
+     "no term for Transformer Engine's FP8 experts' casts, padding and host reads of their row counts"),
 )
 # An untrained router on synthetic tokens sends most tokens to a few experts; under ep the rank
 # holding them sets the pace, which no model of the configuration can know.

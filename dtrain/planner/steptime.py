@@ -281,10 +281,12 @@ def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> tuple[float, floa
         smaller = min(shape[-2:])
         rate = hw.gemm_tflops * smaller / (smaller + hw.gemm_half_dim)
         if is_expert:
-            flops = flops / work.mesh_spec.tp * work.model_cfg.top_k
-            rows = expert_rows(work)
-            rate *= hw.grouped_gemm_efficiency * rows / (rows + hw.grouped_gemm_half_rows)
-        elif fp8 and precision.is_fp8_matmul_weight(axes):
+            routed_rows = work.tokens / work.mesh_spec.tp * work.model_cfg.top_k
+            expert_gemm, expert_casts = hw.expert_matmul_seconds(shape, routed_rows, expert_rows(work),
+                                                                 fp8=block in work.fp8_expert_blocks)
+            gemm, casts = gemm + expert_gemm, casts + expert_casts
+            continue
+        if fp8 and precision.is_fp8_matmul_weight(axes):
             rate = hw.fp8_gemm_tflops * smaller / (smaller + hw.gemm_half_dim)
             # Dynamic scaling reads each input and output gradient for its amax and writes its casts.
             casts += FP8_CAST_BYTES[t.fp8] * sum(shape[-2:]) * work.tokens / (hw.hbm_tb_s * TERA)

@@ -133,6 +133,12 @@ class Workload:
     def ep_dispatch(self) -> str | None:
         return self.layout.parallel.ep_dispatch
 
+    @property
+    def fp8_expert_blocks(self) -> frozenset[int]:
+        """The blocks whose routed experts run torchao's FP8 grouped GEMMs."""
+        experts = self.layout.parallel.fp8_experts
+        return _block_indices(experts.layers) if experts is not None and experts.backend == "torchao" else frozenset()
+
     def with_layout(self, layout: RunLayout) -> Workload:
         """This rank's workload under another variant of the same mesh (`dtrain.layout.with_choices`)."""
         return attrs.evolve(self, layout=layout)
