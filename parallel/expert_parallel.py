@@ -53,7 +53,6 @@ from models.context import ExpertBiases, grouped_swiglu
 from models.errors import UserError
 from models.moe import combine
 from parallel import collectives
-from parallel.fp8_experts import Fp8GroupedExperts
 
 
 def _check_shapes(x, counts, weights, num_experts: int, ep: int) -> int:
@@ -265,13 +264,12 @@ def _on_local_tensors(exchange, x, inputs: dict[str, torch.Tensor], biases: Expe
 
 
 def _local_swiglu(compile_experts: bool, fp8_experts, group: dist.ProcessGroup | None, num_experts: int, **options):
-    """What computes this rank's experts: FP8 experts told the global id of the rank's first expert
-    (torchao's compiled with `options` where `compile_experts`; Transformer Engine's is one custom
-    op), else the bf16 grouped GEMM, compiled likewise."""
+    """What computes this rank's experts: FP8 experts told the global id of the rank's first expert,
+    else the bf16 grouped GEMM, compiled with `options` where `compile_experts`."""
     if fp8_experts is not None:
+        # Not compiled on their own: dynamo fails on the FP8 experts' autograd functions with
+        # dynamic row counts (in a block's graph or the all-gather's step, shapes are static).
         rank = dist.get_rank(group) if ep_size(group) > 1 else 0
-        if compile_experts and isinstance(fp8_experts, Fp8GroupedExperts):
-            fp8_experts = _compiled(fp8_experts, **options)
         return functools.partial(fp8_experts, first=rank * (num_experts // ep_size(group)))
     return _compiled(grouped_swiglu, **options) if compile_experts else grouped_swiglu
 

@@ -42,6 +42,7 @@ from models.errors import UserError
 # the weight gradient's GEMM).
 ALIGN = 16
 FLOAT8 = torch.float8_e4m3fn
+FLOAT8_MAX = torch.finfo(FLOAT8).max
 EPS = 1e-12  # the smallest amax a scale is taken from (torchao's)
 
 
@@ -75,14 +76,13 @@ class AlignedRows:
 
 def _pow2_scales(amax: torch.Tensor) -> torch.Tensor:
     """float8's largest value over the amax, rounded down to a power of two (exact to undo)."""
-    return torch.exp2(torch.floor(torch.log2(torch.finfo(FLOAT8).max / amax.float().clamp_min(EPS))))
+    return torch.exp2(torch.floor(torch.log2(FLOAT8_MAX / amax.float().clamp_min(EPS))))
 
 
 def _through_float8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`t` scaled, cast to float8 (saturated) and scaled back, in t's dtype (exact there: float8's
     3 mantissa bits times a power of two fit bf16)."""
-    limit = torch.finfo(FLOAT8).max
-    return ((t.float() * scale).clamp(-limit, limit).to(FLOAT8).float() / scale).to(t.dtype)
+    return ((t.float() * scale).clamp(-FLOAT8_MAX, FLOAT8_MAX).to(FLOAT8).float() / scale).to(t.dtype)
 
 
 def _rounded_along(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -104,17 +104,18 @@ class _EmulatedRowwiseGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offs)
+        group_of_row = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype),
+                                          right=True)
+        ctx.save_for_backward(x, w, offs, group_of_row)
         return F.grouped_mm(_rounded_along(x, -1), _rounded_along(w, -1).transpose(-2, -1), offs=offs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, w, offs = ctx.saved_tensors
+        x, w, offs, group_of_row = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = F.grouped_mm(_rounded_along(grad, -1), _rounded_along(w, -2), offs=offs)
-        group = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
-        grad_w = F.grouped_mm(_rounded_per_group(grad, group, w.shape[0]).t(),
-                              _rounded_per_group(x, group, w.shape[0]), offs=offs)
+        grad_w = F.grouped_mm(_rounded_per_group(grad, group_of_row, w.shape[0]).t(),
+                              _rounded_per_group(x, group_of_row, w.shape[0]), offs=offs)
         return grad_x, grad_w, None
 
 

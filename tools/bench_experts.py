@@ -1,17 +1,18 @@
 """The routed experts' SwiGLU on one GPU, forward and backward, in each way dtrain could run it:
-torch's bf16 grouped GEMM (what `ModelContext.experts` runs) beside Transformer Engine's grouped
-GEMM in bf16 and in its FP8 recipes (te.GroupedLinear: gate and up as one projection, then down),
-and dtrain's own `--fp8-experts` op (parallel/te_experts.py: TE's kernels on dtrain's weights), at
-each MoE benchmark shape's routed rows (micro-batch 2 x 4096 tokens, top_k rows per token,
-every expert given the same load):
+torch's bf16 grouped GEMM (what `ModelContext.experts` runs), eager and compiled; dtrain's
+`--fp8-experts` with torchao (parallel/fp8_experts.py: aligned rows, rowwise casts, FP8 grouped
+GEMMs), eager and compiled; Transformer Engine's grouped GEMM in bf16 and in its FP8 recipes
+(te.GroupedLinear: gate and up as one projection, then down) and dtrain's TE op
+(parallel/te_experts.py), where TE is installed; at each MoE benchmark shape's routed rows
+(micro-batch 2 x 4096 tokens, top_k rows per token, every expert given the same load):
 
     python -m tools.bench_experts [--setups mixtral-small deepseek-v2-lite] [--iters 20] \
-        >> benchmarks/experts.jsonl
+        [--ways torch "torchao rowwise"] >> benchmarks/experts.jsonl
 
-One JSON line per shape and way (then a markdown table): milliseconds per forward + backward and TFLOP/s (3 matmuls of
-2 x rows x dim x expert_ffn_dim FLOPs each, three times over for the backward). This decides
-whether TE's FP8 grouped GEMM is worth wiring into the experts: it must beat the bf16 kernel with
-its quantization included.
+One JSON line per shape and way (then a markdown table): milliseconds per forward + backward and
+TFLOP/s (3 matmuls of 2 x rows x dim x expert_ffn_dim FLOPs each, three times over for the
+backward). An FP8 way must beat the bf16 kernel with its casts included; its rows are what the
+planner's FP8 grouped-GEMM rate (dtrain/planner/hardware.py) is to be fitted on.
 """
 
 from __future__ import annotations
@@ -57,11 +58,27 @@ def _experts_inputs(dim: int, ffn: int, rows: int, counts: torch.Tensor):
     return x, counts.cuda(), (weight(ffn, dim), weight(ffn, dim), weight(dim, ffn)), grad
 
 
-def torch_step(dim: int, ffn: int, rows: int, counts: torch.Tensor):
+def torch_step(dim: int, ffn: int, rows: int, counts: torch.Tensor, compiled: bool = False):
     x, counts, weights, grad = _experts_inputs(dim, ffn, rows, counts)
+    experts = torch.compile(grouped_swiglu) if compiled else grouped_swiglu
 
     def step():
-        grouped_swiglu(x, counts, *weights, use_grouped_mm=True).backward(grad)
+        experts(x, counts, *weights, use_grouped_mm=True).backward(grad)
+    return step
+
+
+def fp8_grouped_step(dim: int, ffn: int, rows: int, counts: torch.Tensor, compiled: bool = False):
+    """dtrain's torchao FP8 experts (parallel/fp8_experts.py: aligned rows, rowwise casts, FP8
+    grouped GEMMs) on the same inputs as `torch_step`, the casts and padding included."""
+    from parallel.fp8_experts import Fp8GroupedExperts
+
+    x, counts, weights, grad = _experts_inputs(dim, ffn, rows, counts)
+    experts = Fp8GroupedExperts(native=True)
+    if compiled:
+        experts = torch.compile(experts)
+
+    def step():
+        experts(x, counts, *weights).backward(grad)
     return step
 
 
@@ -94,16 +111,22 @@ def te_step(dim: int, ffn: int, rows: int, counts: torch.Tensor, recipe: str | N
     return step
 
 
-def run(shapes: list[str], iters: int) -> list[dict]:
+def run(shapes: list[str], iters: int, only: list[str] = ()) -> list[dict]:
     results = []
     for shape in shapes:
         dim, ffn, rows, counts = _rows_and_counts(shape)
         ways = {"torch bf16 grouped_mm": lambda: torch_step(dim, ffn, rows, counts),
+                "torch bf16 grouped_mm compiled": lambda: torch_step(dim, ffn, rows, counts, compiled=True),
+                "dtrain --fp8-experts torchao rowwise": lambda: fp8_grouped_step(dim, ffn, rows, counts),
+                "dtrain --fp8-experts torchao rowwise compiled": lambda: fp8_grouped_step(dim, ffn, rows, counts,
+                                                                                          compiled=True),
                 "te bf16 GroupedLinear": lambda: te_step(dim, ffn, rows, counts, None),
                 **{f"te {r} GroupedLinear": (lambda r=r: te_step(dim, ffn, rows, counts, r)) for r in TE_RECIPES},
                 "dtrain --fp8-experts delayed": lambda: dtrain_te_step(dim, ffn, rows, counts, "delayed")}
         flops = 3 * 3 * 2 * rows * dim * ffn
         for way, make in ways.items():
+            if only and not any(part in way for part in only):
+                continue
             try:
                 ms = cuda_ms_per_call(make(), iters)
                 row = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
@@ -123,10 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setups", nargs="+", choices=SHAPES, default=list(SHAPES))
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--ways", nargs="+", default=[], help="only the ways whose name contains one of these")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the experts benchmark needs a CUDA GPU")
-    results = run(args.setups, args.iters)
+    results = run(args.setups, args.iters, args.ways)
     print("| shape | way | ms fwd+bwd | TFLOP/s |")
     print("|---|---|---|---|")
     for r in results:
