@@ -106,7 +106,7 @@ class Trainer:
         # The loss is summed over the data-parallel ranks, and taken from the last pipeline stage.
         self.loss_groups = meshes.groups(self.mesh_spec.loss_dims)
         self.pp_group = meshes.group("pp") if self.mesh_spec.pp > 1 else None
-        self.tp_group = meshes.group("tp") if self.mesh_spec.tp > 1 else None
+        self.expert_grad_groups = meshes.groups(self.mesh_spec.expert_grad_sum_dims)
         self.inputs = RankInputs(layout, meshes.local_rank("cp"), self.ctx, runtime.device)
         self.stats = StepStats(self.model_cfg, self.inputs.base, self.model_parts,
                                meshes.groups(self.mesh_spec.router_stats_dims), self.loss_groups, runtime.device)
@@ -223,7 +223,7 @@ class Trainer:
         for group in self.loss_groups:
             dist.all_reduce(totals, group=group)
         loss_sum = totals[0]
-        rescale_expert_grads_(self.expert_params, self.plan, self.tp_group)
+        rescale_expert_grads_(self.expert_params, self.mesh_spec, self.expert_grad_groups)
         copies = []
         if self.tied_copies is not None:
             self.tied_copies.sum_grads()

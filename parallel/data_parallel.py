@@ -92,21 +92,19 @@ def expert_parameters(model_parts: list[ModelModule], plan: Plan) -> list[torch.
 
 
 @torch.no_grad()
-def rescale_expert_grads_(expert_params: list[torch.Tensor], plan: Plan, tp_group=None) -> None:
-    """FSDP averages expert gradients over the edp x dp_replicate ranks that hold the same
-    experts, but each already sums the tokens of the whole ep group (the all-to-all backward
-    brings them home): divide by ep once more so they average over every data/context rank like
-    all other gradients. (A gradient divide factor in FSDP would do the same on NCCL, but needs a
-    PREMUL_SUM reduction that gloo lacks.)"""
+def rescale_expert_grads_(expert_params: list[torch.Tensor], spec: MeshSpec, sum_groups: list) -> None:
+    """The expert gradients times `spec.expert_grad_scale`, summed over `sum_groups` (those of
+    `spec.expert_grad_sum_dims`). (A gradient divide factor in FSDP would scale them the same on
+    NCCL, but needs a PREMUL_SUM reduction that gloo lacks.)"""
     grads = [p.grad.to_local() for p in expert_params if p.grad is not None]
     if not grads:
         return
-    torch._foreach_mul_(grads, 1.0 / plan.mesh_spec.ep)
-    if plan.mesh_spec.tp > 1:
-        # The tp ranks of one ep rank hold the same experts and saw different tokens.
+    torch._foreach_mul_(grads, spec.expert_grad_scale)
+    if sum_groups:
         # On the mesh's device: under CPU offload the gradients are in host memory.
         flat = torch.cat([g.flatten() for g in grads]).to(expert_params[0].device_mesh.device_type)
-        dist.all_reduce(flat, group=tp_group)
+        for group in sum_groups:
+            dist.all_reduce(flat, group=group)
         torch._foreach_copy_(grads, [chunk.view_as(g).to(g.device) for chunk, g in
                                      zip(flat.split([g.numel() for g in grads]), grads)])
 

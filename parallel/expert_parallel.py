@@ -46,7 +46,7 @@ import functools
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from models.context import ExpertBiases, grouped_swiglu
@@ -84,6 +84,16 @@ def _expert_major_positions(received_counts: torch.Tensor, total: int) -> torch.
     return expert_major_start[block_of_row] + offset_in_block
 
 
+def _host_split_sizes(send_and_receive: torch.Tensor, rows: int) -> list[list[int]]:
+    """[rows sent to each rank, rows received from each]: the block's one host read. Fake tensors
+    (a dry run) hold no counts: there, the sizes of balanced routing."""
+    if is_fake(send_and_receive):
+        ep = send_and_receive.shape[1]
+        even = [rows // ep + (rank < rows % ep) for rank in range(ep)]
+        return [even, even]
+    return send_and_receive.tolist()
+
+
 def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: torch.Tensor,
                            w_up_local: torch.Tensor, w_down_local: torch.Tensor, *,
                            group: dist.ProcessGroup, num_experts: int, swiglu=grouped_swiglu,
@@ -102,7 +112,7 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
     # received_counts, how many rows rank r sends for each of j's experts.
     received_counts = collectives.all_to_all(counts, None, None, group).view(ep, local_experts)
     send_and_receive = torch.stack([counts.view(ep, local_experts).sum(1), received_counts.sum(1)])
-    send_splits, receive_splits = _split_sizes(send_and_receive, x.shape[0], ep)
+    send_splits, receive_splits = _host_split_sizes(send_and_receive, x.shape[0])
     total_received = sum(receive_splits)
     # Rows past the counted ones (slots over capacity) stay here, and come back zero.
     surplus = x.shape[0] - sum(send_splits)
@@ -119,16 +129,6 @@ def expert_parallel_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate_local: 
 
     out = collectives.all_to_all(out_received, send_splits, receive_splits, group)
     return torch.cat([out, out.new_zeros(surplus, out.shape[1])]) if surplus else out
-
-
-def _split_sizes(send_and_receive: torch.Tensor, rows: int, ep: int) -> list[list[int]]:
-    """The rows this rank sends to each ep rank and receives from each, read on the host. Fake
-    tensors (`--dry-run`) hold no values: there each rank sends and receives rows / ep to and from
-    each, as balanced routing does."""
-    if isinstance(send_and_receive, FakeTensor):
-        even = [rows // ep + (rank < rows % ep) for rank in range(ep)]
-        return [even, even]
-    return send_and_receive.tolist()
 
 
 def _local_slot_order(all_expert_ids: torch.Tensor, rank: int, local_experts: int):

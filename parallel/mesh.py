@@ -6,7 +6,11 @@
     meshes.group("tp"), meshes.submesh(spec.fsdp_dims)
 
 Mesh dims run from outermost (slowest links) to innermost: pp, dp_replicate, dp_shard, cp, tp.
-Expert parallelism does not add ranks: `ep` borrows them from dp_shard x cp.
+Expert parallelism does not add ranks: `ep` borrows them from dp_shard x cp, where each tp rank
+holds its ep rank's experts (and runs them on its share of the tokens). `etp=1` (Megatron's
+--expert-tensor-parallel-size 1, "parallel folding") lays the experts out apart from attention:
+their mesh folds tp's ranks in too, ep over dp_shard x cp x tp with tp innermost, so that the tp
+ranks of a block hold different experts.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from models.errors import UserError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-MESH_KEYS = (*MESH_DIMS, "ep")
+MESH_KEYS = (*MESH_DIMS, "ep", "etp")
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
 _ALIASES = {"dp": "dp_shard"}
 
@@ -34,6 +38,9 @@ class MeshSpec:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    # Megatron's expert tensor parallel size: None (unset) keeps the experts whole on every tp rank
+    # of their ep rank; 1 folds tp's ranks into the experts' mesh (`experts_fold_tp`).
+    etp: int | None = None
 
     @classmethod
     def parse(cls, text: str, world_size: int | None) -> MeshSpec:
@@ -56,7 +63,7 @@ class MeshSpec:
                 raise UserError(f"mesh size {value!r} for {key!r} is not an integer") from None
             if sizes[key] < 1:
                 raise UserError(f"mesh size {key}={sizes[key]} must be >= 1")
-        fixed = math.prod(size for key, size in sizes.items() if key not in ("dp_shard", "ep"))
+        fixed = math.prod(size for key, size in sizes.items() if key not in ("dp_shard", "ep", "etp"))
         if world_size is None:
             world_size = fixed * sizes.get("dp_shard", 1)
         if "dp_shard" not in sizes:
@@ -72,10 +79,23 @@ class MeshSpec:
                 f"--mesh {text!r} spans {spec.world_size} ranks but the world size is {world_size}; "
                 f"make the product of the mesh sizes equal the number of processes"
             )
-        if (spec.dp_shard * spec.cp) % spec.ep:
+        if spec.etp not in (None, 1):
+            raise UserError(
+                f"etp={spec.etp} in --mesh {text!r}: dtrain keeps every expert whole on one rank; etp=1 folds tp's "
+                f"ranks into expert parallelism (ep over dp_shard x cp x tp), and without etp the tp ranks hold "
+                f"their ep rank's experts"
+            )
+        if spec.experts_fold_tp and (spec.dp_shard * spec.cp * spec.tp) % spec.ep:
+            raise UserError(
+                f"ep={spec.ep} must divide dp_shard x cp x tp = {spec.dp_shard} x {spec.cp} x {spec.tp}, the ranks "
+                f"expert parallelism folds with etp=1; change ep or the data/context/tensor sizes"
+            )
+        if not spec.experts_fold_tp and (spec.dp_shard * spec.cp) % spec.ep:
+            folding = (f", or add etp=1 to fold tp's {spec.tp} ranks in"
+                       if spec.tp > 1 and (spec.dp_shard * spec.cp * spec.tp) % spec.ep == 0 else "")
             raise UserError(
                 f"ep={spec.ep} must divide dp_shard x cp = {spec.dp_shard} x {spec.cp}, the ranks "
-                f"expert parallelism borrows; change ep or the data/context sizes"
+                f"expert parallelism borrows; change ep or the data/context sizes{folding}"
             )
         return spec
 
@@ -88,9 +108,21 @@ class MeshSpec:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def experts_fold_tp(self) -> bool:
+        """The experts' mesh takes tp's ranks too (etp=1 with tp > 1)."""
+        return self.etp == 1 and self.tp > 1
+
+    @property
+    def expert_ranks(self) -> int:
+        """The ranks of one data-parallel replica that expert parallelism spreads experts over:
+        dp_shard x cp, times tp when the experts fold tp in."""
+        return self.dp_shard * self.cp * (self.tp if self.experts_fold_tp else 1)
+
+    @property
     def edp(self) -> int:
-        """Ranks of dp_shard x cp that hold the same experts (the expert mesh's `edp` dim)."""
-        return self.dp_shard * self.cp // self.ep
+        """How many ranks of `expert_ranks` hold the same experts (the expert mesh's `edp` dim,
+        which FSDP shards them over)."""
+        return self.expert_ranks // self.ep
 
     # Each role's mesh dims: the only place that says which ranks a role spans.
 
@@ -111,6 +143,23 @@ class MeshSpec:
     def expert_fsdp_dims(self) -> tuple[str, ...]:
         """Where FSDP keeps the expert weights (ep > 1): sharded over edp, HSDP's dp_replicate in front."""
         return ("dp_replicate",) * (self.dp_replicate > 1) + ("edp",)
+
+    @property
+    def expert_grad_sum_dims(self) -> tuple[str, ...]:
+        """The dims whose ranks hold the same experts and ran them on other tokens, without FSDP
+        reducing over them: tp (each tp rank runs its ep rank's experts on its share of the
+        tokens), unless the experts fold tp's ranks into ep."""
+        return ("tp",) if self.ep > 1 and self.tp > 1 and not self.experts_fold_tp else ()
+
+    @property
+    def expert_grad_scale(self) -> float:
+        """What the expert gradients are multiplied by so that they average over every data and
+        context rank like all other gradients: FSDP averages them over the edp (x dp_replicate)
+        ranks that hold the same experts, but each already sums the tokens of its whole ep group
+        (the all-to-all backward brings them home). 1 / ep where tp's ranks each hold their ep
+        rank's experts; tp / ep with the experts folding tp in (every token went through one
+        expert rank)."""
+        return self.edp / (self.dp_shard * self.cp)
 
     @property
     def loss_dims(self) -> tuple[str, ...]:
@@ -135,6 +184,8 @@ class MeshSpec:
                  **{dim: [dim] for dim in ("tp", "cp", "pp") if getattr(self, dim) > 1}}
         if self.ep > 1:
             roles.update(ep=["ep"], expert_fsdp=list(self.expert_fsdp_dims))
+            if self.expert_grad_sum_dims:
+                roles.update(expert_grad_sum=list(self.expert_grad_sum_dims))
         return roles
 
     def sizes(self) -> dict[str, int]:
@@ -147,12 +198,18 @@ class MeshSpec:
         for dim in reversed(MESH_DIMS):
             rest, coords[dim] = divmod(rest, getattr(self, dim))
         if self.ep > 1:
-            # The expert mesh sees the dp_shard x cp ranks as edp x ep (see build_expert_mesh).
-            coords["edp"], coords["ep"] = divmod(coords["dp_shard"] * self.cp + coords["cp"], self.ep)
+            # The expert mesh sees the expert ranks as edp x ep (see build_expert_mesh).
+            index = coords["dp_shard"] * self.cp + coords["cp"]
+            if self.experts_fold_tp:
+                index = index * self.tp + coords["tp"]
+            coords["edp"], coords["ep"] = divmod(index, self.ep)
         return coords
 
     def __str__(self) -> str:
-        return ",".join(f"{key}={getattr(self, key)}" for key in MESH_KEYS if getattr(self, key) > 1) or "single"
+        sizes = [f"{key}={getattr(self, key)}" for key in MESH_KEYS[:-1] if getattr(self, key) > 1]
+        if self.etp is not None:
+            sizes.append(f"etp={self.etp}")
+        return ",".join(sizes) or "single"
 
 
 # Parameters are replicated over cp (each cp rank holds different tokens of the same samples), so
@@ -169,17 +226,18 @@ def build_device_mesh(spec: MeshSpec, device_type: str) -> DeviceMesh:
     return mesh
 
 
-# Expert parallelism borrows ranks from dp_shard x cp: the same ranks seen as (edp, ep), ep
-# innermost, so that each group of ep consecutive data/context ranks shares one set of experts.
+# Expert parallelism borrows ranks from dp_shard x cp (x tp with etp=1): the same ranks seen as
+# (edp, ep), ep innermost, so that each group of ep consecutive ranks shares one set of experts.
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")
 
 
 def build_expert_mesh(spec: MeshSpec, device_type: str) -> DeviceMesh | None:
     """The mesh expert weights live on (None when ep=1): `ep` splits the experts, `edp` (with
-    dp_replicate) holds copies of the same experts, which FSDP shards and reduces over."""
+    dp_replicate) holds copies of the same experts, which FSDP shards and reduces over; `tp` holds
+    copies that run other tokens (size 1 where the experts fold tp in)."""
     if spec.ep == 1:
         return None
-    shape = (spec.pp, spec.dp_replicate, spec.dp_shard * spec.cp // spec.ep, spec.ep, spec.tp)
+    shape = (spec.pp, spec.dp_replicate, spec.edp, spec.ep, 1 if spec.experts_fold_tp else spec.tp)
     return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
 

@@ -188,19 +188,17 @@ class Plan:
         expert's expert_mlp or embed dim): with fewer local experts than edp ranks, a dim-0 split
         would leave the first ranks every expert and the others padding of the same size."""
         spec = self.mesh_spec
-        edp = spec.dp_shard * spec.cp // spec.ep
-        return 0 if -(-shape[0] // spec.ep) % edp == 0 else 1
+        return 0 if -(-shape[0] // spec.ep) % spec.edp == 0 else 1
 
     def full_placements(self, axes: tuple[str, ...], shape: tuple[int, ...] | None = None) -> dict[str, str]:
         """Each active mesh dim -> placement of one parameter (of global `shape`, which decides an
         expert weight's FSDP dim) once data parallelism is applied."""
         if self.is_expert(axes) and self.mesh_spec.ep > 1:
-            edp = self.mesh_spec.dp_shard * self.mesh_spec.cp // self.mesh_spec.ep
             layout = {"dp_replicate": "R"} if self.mesh_spec.dp_replicate > 1 else {}
-            if edp > 1:
+            if self.mesh_spec.edp > 1:
                 layout["edp"] = f"S({self.expert_fsdp_dim(shape) if shape else 0})"
             layout["ep"] = _short(self.expert_placements(axes)[0])
-            if self.mesh_spec.tp > 1:
+            if self.mesh_spec.tp > 1 and not self.mesh_spec.experts_fold_tp:
                 layout["tp"] = "R"  # every tp rank runs the experts on its own share of the tokens
             return layout
         layout = dict(zip(self.param_mesh_dims, map(_short, self.param_placements(axes))))
@@ -227,7 +225,7 @@ class Plan:
         """How many ranks FSDP splits dim 0 of a parameter over (1: it is whole after gathering)."""
         spec = self.mesh_spec
         if self.is_expert(axes) and spec.ep > 1:
-            return spec.dp_shard * spec.cp // spec.ep
+            return spec.edp
         return spec.dp_shard * spec.cp
 
     def local_shape(self, shape: tuple[int, ...], axes: tuple[str, ...],
@@ -246,7 +244,7 @@ class Plan:
             for placement in self.expert_placements(axes):
                 if isinstance(placement, Shard):
                     split(placement.dim, self.mesh_spec.ep, at.get("ep", 0))
-            split(self.expert_fsdp_dim(shape), sizes["dp_shard"] * sizes["cp"] // self.mesh_spec.ep, at.get("edp", 0))
+            split(self.expert_fsdp_dim(shape), self.mesh_spec.edp, at.get("edp", 0))
             return tuple(local)
         for dim, placement in zip(self.param_mesh_dims, self.param_placements(axes)):
             if isinstance(placement, Shard):

@@ -162,7 +162,6 @@ def test_bad_input_is_the_same_one_line_error_as_a_real_run(extra, world_size, c
 
 @pytest.mark.parametrize("extra,message", [
     (["--dry-run-rank", "4"], "--dry-run-rank 4 is not a rank of a world of 4"),
-    (["--model", "tiny-moe", "--model-overrides", "capacity_factor=1.25"], "does not run capacity routing yet"),
 ])
 def test_what_a_dry_run_cannot_do_is_one_line(extra, message, capsys):
     assert main(["--dry-run", "--world-size", "4", "--model", "tiny", *extra]) == 2

@@ -16,6 +16,7 @@ from parallel.mesh import MESH_DIMS, MeshSpec, build_device_mesh
         ("dp=4,tp=2", 8, dict(dp_shard=4, tp=2)),
         ("dp_replicate=2,dp_shard=4", 8, dict(dp_replicate=2, dp_shard=4)),
         ("dp=2,ep=2", 2, dict(dp_shard=2, ep=2)),
+        ("dp=2,tp=2,ep=4,etp=1", 4, dict(dp_shard=2, tp=2, ep=4, etp=1)),
         ("", 8, dict(dp_shard=8)),                  # dp_shard takes the whole world
         ("tp=2", 8, dict(dp_shard=4, tp=2)),        # dp_shard filled from the remainder
         ("pp=2,cp=2", 16, dict(pp=2, cp=2, dp_shard=4)),

@@ -27,6 +27,15 @@ CASES = [
     ([], ["--mesh", "dp=2,ep=2,tp=2", "--sequence-parallel", *ALLTOALL], 4),
     # One expert per ep rank and two ranks that hold it: FSDP shards its weights on dim 1.
     (["--model-overrides", "num_experts=2"], ["--mesh", "dp=4,ep=2", *ALLTOALL], 4),
+    # Slots over capacity stay home under the all-to-all (its sends hold the kept rows only).
+    (["--model-overrides", "capacity_factor=1.0"], ["--mesh", "dp=2,ep=2", *ALLTOALL], 2),
+    # FP8 experts (their casts emulated on CPU) by each dispatch: the same casts on every mesh.
+    (["--fp8-experts"], ["--mesh", "dp=2,ep=2", *ALLTOALL], 2),
+    (["--fp8-experts"], ["--mesh", "dp=2,ep=2"], 2),
+    # The experts folding tp's ranks in (etp=1): ep over tp x dp with attention on tp; and ep
+    # over half of tp's ranks, the other half holding copies (edp).
+    ([], ["--mesh", "dp=2,tp=2,ep=4,etp=1", "--sequence-parallel"], 4),
+    ([], ["--mesh", "tp=4,ep=2,etp=1"], 4),
 ]
 
 

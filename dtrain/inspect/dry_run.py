@@ -97,6 +97,14 @@ def _mesh_groups(meshes: Meshes, mesh_spec: MeshSpec) -> dict[str, dist.ProcessG
     return groups
 
 
+def _fp8_emulated(layout: RunLayout) -> RunLayout:
+    """`layout` with FP8's casts emulated (matmuls and experts): they run on fake CPU tensors."""
+    par = layout.parallel
+    return attrs.evolve(layout, parallel=attrs.evolve(
+        par, fp8=par.fp8 and attrs.evolve(par.fp8, emulated=True),
+        fp8_experts=par.fp8_experts and attrs.evolve(par.fp8_experts, emulated=True)))
+
+
 def _run_program(layout: RunLayout, role: Role, pp_ranks: list[int]) -> ProgramReport:
     """One step of the program of `role`'s first rank, on fake tensors; with pipelining also how
     many micro-batches the program's stages hold on each of `pp_ranks`, which run it too."""
@@ -105,10 +113,9 @@ def _run_program(layout: RunLayout, role: Role, pp_ranks: list[int]) -> ProgramR
     try:
         # Meshes and the model's layout on `meta` first: building meshes reads real tensors.
         meshes = build_meshes(mesh_spec, "cpu")
-        # FP8's casts run on fake CPU tensors: emulated.
-        fp8 = layout.parallel.fp8 and attrs.evolve(layout.parallel.fp8, emulated=True)
+        layout = _fp8_emulated(layout)
         built = rank_model.build_model_parts(layout, meshes, device=torch.device("meta"),
-                                             fp8=precision.fp8_backend(fp8, torch.device("cpu")))
+                                             fp8=precision.fp8_backend(layout.parallel.fp8, torch.device("cpu")))
         with FakeTensorMode(allow_non_fake_inputs=True), Accounting(_mesh_groups(meshes, mesh_spec)) as acct:
             step = _Step(layout, meshes, built, acct, role.first_rank)
             report = step.run()
@@ -154,8 +161,8 @@ class _Step:
         params = [p for part in parts for p in part.parameters()]
         self.report.grad_bytes = _local_bytes(p.grad for p in params if p.grad is not None)
         acct.reset_peak()
-        tp_group = self.meshes.group("tp") if self.mesh_spec.tp > 1 else None
-        rescale_expert_grads_(expert_parameters(parts, self.plan), self.plan, tp_group)
+        rescale_expert_grads_(expert_parameters(parts, self.plan), self.mesh_spec,
+                              self.meshes.groups(self.mesh_spec.expert_grad_sum_dims))
         pp_group = self.meshes.group("pp") if self.mesh_spec.pp > 1 else None
         clip_grads_(params, config.optim.grad_clip, pp_group, optimizer)
         optimizer.step()

@@ -246,9 +246,6 @@ def check_inputs(config: Config) -> None:
 
 def check_dry_run(config: Config, model_cfg) -> None:
     """What --dry-run cannot run on fake tensors yet."""
-    if isinstance(model_cfg, MoEConfig) and model_cfg.capacity_factor is not None:
-        raise UserError(f"--dry-run does not run capacity routing yet ({config.model.model}): which slots an expert "
-                        f"keeps depends on token values that fake tensors do not hold; drop capacity_factor")
     if config.train.fp8 is not None and config.train.fp8_backend == "te":
         raise UserError("--dry-run does not run Transformer Engine's FP8 kernels (CUDA only); use "
                         "--fp8-backend torchao for the dry run, whose FP8 casts run on fake tensors")

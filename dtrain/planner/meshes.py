@@ -91,8 +91,11 @@ def _mesh_specs(target: Target, cfg) -> Iterator[MeshSpec]:
                 for dp_replicate in replicas(dp):
                     dp_shard = dp // dp_replicate
                     for ep in (divisors(cfg.num_experts) if is_moe else [1]):
+                        sizes = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
                         if (dp_shard * cp) % ep == 0:
-                            yield MeshSpec(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
+                            yield MeshSpec(**sizes)
+                        if ep > 1 and tp > 1 and (dp_shard * cp * tp) % ep == 0:
+                            yield MeshSpec(**sizes, etp=1)  # the experts folding tp's ranks in
 
 
 def replicas(dp: int) -> list[int]:
@@ -114,7 +117,8 @@ def _schedules(target: Target, pp: int, num_layers: int) -> list[tuple[str, int]
 def mesh_text(spec: MeshSpec) -> str:
     sizes = {"pp": spec.pp, "dp_replicate": spec.dp_replicate, "dp_shard": spec.dp_shard, "cp": spec.cp,
              "tp": spec.tp, "ep": spec.ep}
-    return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "dp_shard=1"
+    folded = ",etp=1" if spec.experts_fold_tp and spec.ep > 1 else ""
+    return (",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "dp_shard=1") + folded
 
 
 def _config(target: Target, mesh: str, schedule: str, virtual: int, sequence_parallel: bool) -> Config:

@@ -367,11 +367,12 @@ def _expert_parallel_seconds(work: Workload, hw: Hardware) -> float:
     mesh = work.mesh_spec
     b = DTYPE_BYTES[work.config.train.precision]
     tokens = work.tokens / mesh.tp
-    # The ep ranks are dp_shard x cp ranks, tp apart.
+    # The ep ranks are dp_shard x cp ranks, tp apart; folding tp in, neighbours.
+    stride = 1 if mesh.experts_fold_tp else mesh.tp
     if work.ep_dispatch == "allgather":
-        return 4 * hw.exchange_seconds(tokens * cfg.dim * b * mesh.ep, mesh.ep, mesh.tp) + 4 * hw.collective_latency_s
+        return 4 * hw.exchange_seconds(tokens * cfg.dim * b * mesh.ep, mesh.ep, stride) + 4 * hw.collective_latency_s
     moved = 4 * cfg.top_k * tokens * cfg.dim * b
-    return hw.exchange_seconds(moved, mesh.ep, mesh.tp) + 6 * hw.collective_latency_s + 2 * HOST_SYNC_S
+    return hw.exchange_seconds(moved, mesh.ep, stride) + 6 * hw.collective_latency_s + 2 * HOST_SYNC_S
 
 
 # A host read of device data: the launch queue drains and refills.

@@ -260,15 +260,15 @@ def _attention_kinds(model_cfg, num_blocks: int) -> tuple[str, ...]:
 
 def _tables(plan: Plan, model_cfg):
     spec_ = plan.mesh_spec
-    return _unit_tables(model_cfg, spec_.tp, spec_.ep, spec_.dp_shard, spec_.cp,
+    return _unit_tables(model_cfg, spec_.tp, spec_.ep, spec_.dp_shard, spec_.cp, spec_.etp,
                         tuple((axis, mapped) for axis, mapped in plan.param_rules.items()))
 
 
 @functools.lru_cache(maxsize=1024)
-def _unit_tables(model_cfg, tp: int, ep: int, dp_shard: int, cp: int, param_rules: tuple):
+def _unit_tables(model_cfg, tp: int, ep: int, dp_shard: int, cp: int, etp: int | None, param_rules: tuple):
     """Every FSDP unit's element counts under a plan's parameter rules, for the sizes that shape
     them (pp and dp_replicate do not): computed once per model and split, however many searches ask."""
-    mesh_spec = MeshSpec(dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
+    mesh_spec = MeshSpec(dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, etp=etp)
     plan = Plan(mesh_spec).with_rules(params=dict(param_rules))
     layers = _layers(model_cfg)
     kinds = tuple("moe" if isinstance(model_cfg, MoEConfig) and model_cfg.is_moe_layer(i) else "dense"
