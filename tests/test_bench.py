@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tests.launch import run_cli
+from dtrain.config import load_config
+from tests.launch import REPO, run_cli
 from tools import bench, bench_tables
 
 
@@ -95,7 +96,7 @@ def test_readme_gets_the_newest_run_of_each_setup_between_its_markers(tmp_path):
 def test_suite_runs_the_cpu_setup_and_appends_its_json_line(tmp_path):
     out = tmp_path / "results.jsonl"
     out.write_text('{"earlier": "run"}\n')
-    result = run_cli(["--gpus", "0", "--out", str(out)], module="tools.bench_suite")
+    result = run_cli(["--gpus", "0", "--only", "cpu tiny", "--out", str(out)], module="tools.bench_suite")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     lines = out.read_text().splitlines()
     assert [json.loads(line)["shape"] for line in lines[1:]] == ["tiny", "tiny-qwen3", "tiny-gpt-oss", "tiny-llama4"]
@@ -107,7 +108,8 @@ def test_suite_selects_by_gpu_count_and_name():
 
     on_one = bench_suite.selected(1, [])
     assert on_one and all(bench_suite.SUITE[name][0] == 1 and not name.startswith("cpu") for name in on_one)
-    assert bench_suite.selected(0, []) == ["cpu tiny", "cpu tiny-qwen3", "cpu tiny-gpt-oss", "cpu tiny-llama4"]
+    assert bench_suite.selected(0, []) == ["cpu tiny", "cpu tiny-qwen3", "cpu tiny-gpt-oss", "cpu tiny-llama4",
+                                          "cpu moe loss check", "cpu moe loss check again"]
     cp_runs = bench_suite.selected(2, ["cp="])
     assert cp_runs and all("cp=" in name for name in cp_runs)
     for group, members in bench_suite.GROUPS.items():
@@ -119,6 +121,45 @@ def test_suite_selects_by_gpu_count_and_name():
     assert bench_suite.selected(1, [], "families") == bench_suite.selected(2, [], "families")  # one H200
     assert bench_suite.selected(2, ["70b"], "tp-overlap") == [
         "llama-70b-4l dp=2", "llama-70b-4l tp=2", "llama-70b-4l tp=2 sp", "llama-70b-4l tp=2 sp unfused"]
+
+
+def test_a_loss_check_runs_in_the_baseline_checkout_too_and_is_compared(tmp_path):
+    """The checkout itself as the baseline: the same code, the same losses on CPU; the check's
+    second run beside its first; every row appended, the baseline's under its commit."""
+    out = tmp_path / "results.jsonl"
+    out.touch()
+    result = run_cli(["--gpus", "0", "--only", "cpu moe", "--out", str(out), "--baseline", str(REPO),
+                      "--baseline-commit", "same-code"], module="tools.bench_suite")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["commit"] == "same-code" for r in rows] == [False, True, False]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("cpu moe loss check")]
+    assert len(lines) == 3 and "(baseline same-code)" in lines[1]
+    for line, label in zip(lines[1:], ("the baseline's", "the first run")):
+        assert f"losses against {label} over 3 steps: largest relative difference 0.00e+00" in line, line
+    bad = run_cli(["--gpus", "0", "--only", "cpu moe", "--out", str(out), "--baseline", str(tmp_path)],
+                  module="tools.bench_suite")
+    assert bad.returncode == 2 and "not a dtrain checkout" in bad.stderr
+
+
+def test_the_moe_group_fits_one_h200_and_its_flags_load():
+    """The one-GPU MoE group, checked where no GPU is: every setup's dtrain flags load and pass
+    the run's checks, and the planner puts each in the H200's memory."""
+    from dtrain.layout import Machine
+    from dtrain.planner.memory import predict_peak
+    from tests.layouts import resolved
+    from tools import bench_suite
+    from tools.shapes import SHAPES
+
+    names = bench_suite.selected(1, [], "moe-one-gpu")
+    assert names[0] == "llama-1b single" and any("fp8-experts" in n for n in names)
+    for name in names:
+        bench_args = bench_suite.SUITE[name][1]
+        if "--experts" in bench_args:
+            continue
+        shape = bench_args[bench_args.index("--shape") + 1]
+        layout = resolved([*SHAPES[shape], *bench_args[bench_args.index("--") + 1:]], 1, Machine.gpu_profile("h200"))
+        assert predict_peak(layout)[0].total < 141e9, name
 
 
 def test_every_suite_setup_is_a_valid_command():
@@ -133,6 +174,9 @@ def test_every_suite_setup_is_a_valid_command():
         if "--attention" in bench_args:
             names = bench_args[bench_args.index("--attention") + 1]
             assert names == "all" or set(names.split(",")) <= set(SETUPS), name
+            continue
+        if "--experts" in bench_args:
+            bench.build_parser().parse_args(bench_args)  # raises on an unknown flag
             continue
         shape = bench_args[bench_args.index("--shape") + 1]
         dtrain_flags = bench_args[bench_args.index("--") + 1:]
@@ -150,8 +194,8 @@ def test_breakdown_counts_overlap_once_and_gives_each_instant_to_one_category():
     result = breakdown(activities, steps=2)
     assert result.wall_us == 1000 and result.busy_us["elementwise"] == 250 and result.busy_us["communication"] == 200
     # [250, 300) is the GEMM's; NCCL's [300, 500) has element-wise work beside it until 400.
-    assert result.exclusive_us == {"gemm": 300, "attention": 0, "loss": 0, "elementwise": 200, "optimizer": 0,
-                                   "fsdp": 0, "other": 100, "communication": 100}
+    assert result.exclusive_us == {"gemm": 300, "attention": 0, "loss": 0, "routing": 0, "elementwise": 200,
+                                   "optimizer": 0, "fsdp": 0, "other": 100, "communication": 100}
     assert result.idle_us == 300 and abs(result.exposed_communication_pct - 10.0) < 1e-9
     assert result.as_dict()["step_ms"] == 0.5 and result.as_dict()["idle_ms"] == 0.15
     assert result.top["elementwise"] == [("silu", 150, 1), ("add", 100, 1)]
@@ -284,3 +328,15 @@ def test_experts_table_keeps_the_newest_row_of_each_way_and_each_shape_together(
                                                         "torch bf16 grouped_mm"]
     assert [line.split(" | ")[0] for line in lines] == ["| mixtral-small", "| mixtral-small", "| deepseek-v2-lite"]
     assert "8.80" in lines[0] and "9.50" not in "\n".join(lines)
+
+
+def test_an_moe_blocks_routing_and_permutation_kernels_have_their_own_category():
+    from tools.profile_breakdown import classify
+
+    for name in ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>",
+                 "void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>", "triton_poi_fused_index_mul_sum_3",
+                 "triton_poi_fused_scatter_add_zeros_1", "aten::argsort"):
+        assert classify(name) == "routing", name
+    assert classify("triton_poi_fused_add_mul_silu_0") == "elementwise"
+    assert classify("triton_red_fused_gather_log_softmax_2", "loss") == "loss"  # the head's, by its range
+    assert classify("triton_poi_fused_index_put_5", "fsdp") == "fsdp"

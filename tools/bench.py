@@ -18,7 +18,8 @@ step, its GEMMs and attention alone at the planner's rates (dtrain/planner/stept
 line carries the ceiling; a profiled one carries rank 0's breakdown too.
 
 `--attention SETUP|all` times attention sub-blocks alone instead, llama-1b's GQA beside DeepSeek's
-MLA (tools/bench_attention.py).
+MLA (tools/bench_attention.py); `--experts [WAY ...]` the routed experts alone, bf16 beside FP8
+(tools/bench_experts.py).
 
 `--bubble FILE` measures pipeline bubbles from the JSON lines of FILE: two runs of the same
 pipelined setup with m and 2m micro-batches per step give the time of one micro-batch,
@@ -243,12 +244,7 @@ def run_baseline_beside(layout, steps: int, warmup: int) -> dict:
                         fp8_head=t.fp8_head, device=device, seed=t.seed)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        extra = argv[argv.index("--") + 1:]
-        argv = argv[:argv.index("--")]
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
@@ -274,7 +270,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-batch", type=int, default=4)
     parser.add_argument("--attention-seq-len", type=int, default=4096)
     parser.add_argument("--compile", action="store_true", help="with --attention: compile each sub-block")
+    parser.add_argument("--experts", nargs="*", metavar="WAY", help="time the routed experts alone, forward + "
+                        "backward, at the MoE shapes (tools/bench_experts.py): the ways whose names contain one of "
+                        "these (all without any), --steps calls each; then exit")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        extra = argv[argv.index("--") + 1:]
+        argv = argv[:argv.index("--")]
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.experts is not None:
+        from tools import bench_experts
+
+        bench_experts.main(["--iters", str(args.steps), *(["--ways", *args.experts] if args.experts else [])])
+        return 0
     if args.attention:
         from tools import bench_attention
 

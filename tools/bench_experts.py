@@ -132,7 +132,7 @@ def run(shapes: list[str], iters: int, only: list[str] = ()) -> list[dict]:
                 row = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
             except Exception as error:  # one way failing (a recipe the GPU lacks) leaves the others
                 row = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
-            results.append({"shape": shape, "way": way, "rows": rows, "experts": counts.numel(), "dim": dim,
+            results.append({"kind": "experts", "shape": shape, "way": way, "rows": rows, "experts": counts.numel(), "dim": dim,
                             "expert_ffn_dim": ffn, **row, "torch": torch.__version__,
                             "device": torch.cuda.get_device_name(), "commit": commit_hash(),
                             "date": datetime.date.today().isoformat()})

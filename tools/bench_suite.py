@@ -12,6 +12,12 @@ needed ones it has time for. `--profile DIR` profiles every setup that runs (DIR
 where its steps' time went to the results (`--group breakdown --profile DIR` for the README's
 breakdown of llama-1b and llama-8b). `--budget` stops starting new setups after that many
 seconds, so a time-limited machine returns what it measured.
+
+`--group moe-one-gpu` measures MoE on one GPU beside the dense llama-1b row: mixtral-small's and
+DeepSeek-V2-Lite's layers with bf16 and FP8 experts, the experts alone, and a 50-step loss check.
+With `--baseline DIR` (another checkout, e.g. `git archive REV | tar -x -C DIR`) every loss check
+also runs there, with that checkout's own code, and the suite prints how far the losses of the
+two are apart step by step, beside those of the check's second run (the run-to-run spread).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,12 +35,17 @@ from tools import suite_dense
 from tools.bench import CALL_ENV
 from tools.bench_tables import ATTENTION_FILE
 
+# Where the suite appends the JSON lines of the benchmarks of parts of a step, by their kind.
+SIDE_FILES = {"attention": ATTENTION_FILE, "experts": "experts.jsonl"}
+
 STEPS = ["--steps", "14", "--warmup", "4"]
 LONG = ["--seq-len", "32768", "--micro-batch", "1"]
 PP = ["--mesh", "pp=2", "--micro-batch", "1"]
 # Packed documents: synthetic documents of random lengths, attention within each.
 DOCUMENTS = ["--document-mask", "--synthetic-document-length"]
 TE = ["--fp8-backend", "te", "--fp8"]
+# A loss check run a second time: its losses against the first run's give the run-to-run spread.
+REPEAT = " again"
 
 # name -> (processes, tools.bench arguments); "cpu" setups run without GPUs (a smoke test).
 # MoE on 2 GPUs: each mesh (and expert dispatch) with each way of accumulating 4 micro-batches,
@@ -177,6 +189,27 @@ SUITE: dict[str, tuple[int, list[str]]] = {
        for shape, layers in (("gpt-oss-20b", 4), ("llama4-scout", 2))
        for name, balance, fp8 in (("", [], []), (" balanced", ["force_load_balance=true"], []),
                                   (" balanced fp8", ["force_load_balance=true"], ["--fp8", "tensorwise"]))},
+    # MoE on one GPU: 8 of mixtral-small's layers and 7 of DeepSeek-V2-Lite's at micro-batch 2, 8
+    # micro-batches a step (the optimizer's and FSDP's per-step passes over every expert's weights
+    # amortised as a multi-GPU run's larger batch would), bf16 experts and torchao's FP8 ones.
+    **{f"{model} single layers={layers} micro-batches=8{routing}{name}": (
+        1, ["--shape", model, "--steps", "12", "--warmup", "4", "--", "--compile", "--micro-batch", "2",
+            "--global-batch", "16", *_overrides([f"num_layers={layers}"], balance), *flags])
+       for model, layers in (("mixtral-small", 8), ("deepseek-v2-lite", 7))
+       for routing, balance in (("", []), (" balanced", ["force_load_balance=true"]))
+       for name, flags in (("", []), (" fp8-experts", ["--fp8-experts"]))},
+    # 50 bf16 steps of the earlier rows' setup (real routing, 2 micro-batches a step), seed 0: its
+    # losses against another checkout's (--baseline) and against a second run of this one.
+    **{f"mixtral-small single layers=8 loss check{again}": (1, ["--shape", "mixtral-small", "--steps", "50", "--warmup",
+                                                                "10", "--", "--compile", "--model-overrides",
+                                                                "num_layers=8", "--global-batch", "4"])
+       for again in ("", REPEAT)},
+    "experts alone": (1, ["--experts", "torch", "torchao", "--steps", "20"]),
+    # The same plumbing on a CPU: MoE flags, FP8 experts emulated, a loss check (a smoke test).
+    **{f"cpu moe loss check{again}": (1, ["--shape", "tiny-moe", "--steps", "3", "--warmup", "1", "--",
+                                          "--precision", "fp32", "--fp8-experts", "--global-batch", "8",
+                                          "--model-overrides", "force_load_balance=true"])
+       for again in ("", REPEAT)},
 }
 
 SUITE.update(suite_dense.SETUPS)
@@ -197,11 +230,22 @@ GROUPS: dict[str, list[str]] = {
                 "llama-8b dp=2 te delayed", "mixtral-small dp=2,ep=2 allgather fp8",
                 "mixtral-small dp=2,ep=2 allgather te delayed", "llama-8b tp=2 sp fp8", "llama-8b tp=2 sp te delayed"],
     # What one H200 measures of DeepSeek: MLA beside GQA, and DeepSeek layers.
-    "deepseek-one-gpu": ["attention gqa and mla", *(name for name in SUITE if name.startswith("deepseek-v2-lite single"))],
+    "deepseek-one-gpu": ["attention gqa and mla", *(name for name in SUITE if name.startswith("deepseek-v2-lite single")
+                                                                and "micro-batch " in name)],
     # Qwen3, gpt-oss and Llama 4 on one H200 (`--gpus 0`: their tiny presets on the CPU, a smoke test).
     "families": [*(name for name in SUITE if name.startswith(("cpu tiny-", "qwen3-", "gpt-oss-", "llama4-")))],
     "loss-chunks": ["llama-1b single", "llama-1b single fp8 head", "llama-8b dp=2", "llama-8b dp=2 fp8 head",
-                    *(name for name in SUITE if "loss-chunks" in name or "micro-batch" in name)],
+                    *(name for name in SUITE if "loss-chunks" in name or "micro-batch " in name)],
+    # MoE on one H200 beside the dense llama-1b row (with --profile, where each step goes; with
+    # --baseline, the loss check of another checkout too), most needed first for --budget.
+    "moe-one-gpu": ["llama-1b single",
+                    *(f"{model} micro-batches=8 balanced{fp8}" for model in ("mixtral-small single layers=8",
+                                                                            "deepseek-v2-lite single layers=7")
+                      for fp8 in ("", " fp8-experts")),
+                    "mixtral-small single layers=8 loss check", "experts alone",
+                    *(f"mixtral-small single layers=8 micro-batches=8{fp8}" for fp8 in ("", " fp8-experts")),
+                    f"mixtral-small single layers=8 loss check{REPEAT}",
+                    *(f"deepseek-v2-lite single layers=7 micro-batches=8{fp8}" for fp8 in ("", " fp8-experts"))],
 }
 
 
@@ -222,49 +266,82 @@ def selected(gpus: int, only: list[str], group: str | None = None) -> list[str]:
     return names
 
 
-def run_suite(names: list[str], out: Path, budget: float, timeout: float,
-              profile: Path | None = None) -> list[tuple[str, str]]:
+def run_suite(names: list[str], out: Path, budget: float, timeout: float, profile: Path | None = None,
+              baseline: Path | None = None, baseline_commit: str = "baseline") -> list[tuple[str, str]]:
     """Runs each setup (profiled into `profile`/<setup>/ if given); appends its JSON line to `out`;
-    returns (name, outcome) pairs."""
+    returns (name, outcome) pairs. A loss check runs again in the checkout at `baseline` (its own
+    code, launched there), and the suite compares the two runs' losses step by step, as it
+    compares a check run `REPEAT` with its first run."""
     start, outcomes = time.monotonic(), []
     # One id for the rows of this call (or of the calls a caller gave one id to share).
     call = os.environ.get(CALL_ENV) or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", CALL_ENV: call}
+    run_dirs: dict[str, Path] = {}
     for name in names:
         if time.monotonic() - start > budget:
             outcomes.append((name, "not started: over --budget"))
             continue
-        processes, bench_args = SUITE[name]
-        bench_args = [arg.replace("{out_dir}", str(out.parent)) for arg in bench_args]
-        slug = name.replace(" ", "-").replace("=", "")
-        if profile is not None:
-            bench_args = ["--profile", str(profile / slug), *bench_args]
-        run_dir = ["--run-dir", f"runs/suite-{slug}"]
-        try:
-            result = subprocess.run(command(processes, [*bench_args, *run_dir]), capture_output=True, text=True,
-                                    timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            outcomes.append((name, f"stopped after {timeout:.0f} s"))
-            continue
-        lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-        if result.returncode != 0 or not lines:
-            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            outcomes.append((name, f"failed (exit {result.returncode}): {last[:200]}"))
-            continue
-        if json.loads(lines[-1]).get("kind") == "attention":
-            with out.with_name(ATTENTION_FILE).open("a") as f:
-                f.write("".join(line + "\n" for line in lines))
-            rows = [json.loads(line) for line in lines]
-            outcomes.append((name, "; ".join(f"{r['setup']} {r['model_tflops']} TFLOP/s" for r in rows)))
-            continue
-        with out.open("a") as f:
-            f.write(lines[-1] + "\n")
-        row = json.loads(lines[-1])
-        mfu = f"{row['mfu_pct']}% MFU, " if row["mfu_pct"] is not None else ""
-        exposed = row.get("exposed_communication_pct")
-        exposed = f", {exposed}% exposed communication" if exposed is not None else ""
-        outcomes.append((name, f"{row['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, {mfu}{row['peak_mem_gb']} GB{exposed}"))
+        outcome, run_dirs[name] = _run_setup(name, out, timeout, profile, Path.cwd(), env)
+        if name.endswith(REPEAT) and name[:-len(REPEAT)] in run_dirs:
+            outcome += "; losses " + _loss_difference(run_dirs[name[:-len(REPEAT)]], run_dirs[name], "the first run")
+        outcomes.append((name, outcome))
+        if "loss check" in name and not name.endswith(REPEAT) and baseline is not None:
+            there = {**env, "PYTHONPATH": str(baseline.resolve()), "DTRAIN_COMMIT": baseline_commit}
+            outcome, baseline_dir = _run_setup(name, out, timeout, None, baseline.resolve(), there, "-baseline")
+            outcome += "; losses " + _loss_difference(baseline_dir, run_dirs[name], "the baseline's")
+            outcomes.append((f"{name} (baseline {baseline_commit})", outcome))
     return outcomes
+
+
+def _run_setup(name: str, out: Path, timeout: float, profile: Path | None, cwd: Path, env: dict[str, str],
+               suffix: str = "") -> tuple[str, Path]:
+    """One setup's process in `cwd` (a checkout): its outcome, and its run directory (emptied
+    first: a loss check reads every step logged there)."""
+    processes, bench_args = SUITE[name]
+    bench_args = [arg.replace("{out_dir}", str(out.parent.resolve())) for arg in bench_args]
+    slug = name.replace(" ", "-").replace("=", "")
+    if profile is not None:
+        bench_args = ["--profile", str(profile / slug), *bench_args]
+    run_dir = cwd / "runs" / f"suite-{slug}{suffix}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    # A training run's directory (after `--`, among dtrain's flags); the benchmarks of parts of a step have none.
+    to_run_dir = ["--run-dir", str(run_dir)] if "--" in bench_args else []
+    try:
+        result = subprocess.run(command(processes, [*bench_args, *to_run_dir]), capture_output=True, text=True,
+                                timeout=timeout, env=env, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return f"stopped after {timeout:.0f} s", run_dir
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"failed (exit {result.returncode}): {last[:200]}", run_dir
+    kind = json.loads(lines[-1]).get("kind")
+    if kind in SIDE_FILES:
+        with out.with_name(SIDE_FILES[kind]).open("a") as f:
+            f.write("".join(line + "\n" for line in lines))
+        rows = [json.loads(line) for line in lines]
+        if kind == "attention":
+            return "; ".join(f"{r['setup']} {r['model_tflops']} TFLOP/s" for r in rows), run_dir
+        return "; ".join(f"{r['shape']} {r['way']} {r.get('tflops', r.get('error'))}" for r in rows), run_dir
+    with out.open("a") as f:
+        f.write(lines[-1] + "\n")
+    row = json.loads(lines[-1])
+    mfu = f"{row['mfu_pct']}% MFU, " if row["mfu_pct"] is not None else ""
+    exposed = row.get("exposed_communication_pct")
+    exposed = f", {exposed}% exposed communication" if exposed is not None else ""
+    return f"{row['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, {mfu}{row['peak_mem_gb']} GB{exposed}", run_dir
+
+
+def _loss_difference(reference: Path, other: Path, label: str) -> str:
+    """How far `other`'s losses are from `reference`'s, step by step, in words."""
+    from tools.compare_runs import compare, read_scalars
+
+    try:
+        diff = compare(read_scalars(reference), read_scalars(other), ["train/loss"])["train/loss"]
+    except SystemExit as error:
+        return f"not compared with {label}: {error}"
+    return (f"against {label} over {diff['steps']} steps: largest relative difference {diff['max_rel_diff']:.2e} "
+            f"(step {diff['at_step']}), mean {diff['mean_rel_diff']:.2e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results.jsonl"))
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no setup starts")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one setup may run")
+    parser.add_argument("--baseline", type=Path, metavar="DIR", help="another checkout (e.g. `git archive REV | "
+                        "tar -x -C DIR`): each loss check runs there too, and the suite compares the losses")
+    parser.add_argument("--baseline-commit", default="baseline", help="the commit the --baseline checkout holds, "
+                        "for its rows")
     parser.add_argument("--list", action="store_true", help="print the setups that would run, and exit")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     gpus = args.gpus
@@ -294,7 +375,10 @@ def main(argv: list[str] | None = None) -> int:
             processes, bench_args = SUITE[name]
             print(f"{name}: {' '.join(command(processes, bench_args)[1:])}")
         return 0
-    outcomes = run_suite(names, args.out, args.budget, args.timeout, args.profile)
+    if args.baseline is not None and not (args.baseline / "tools" / "bench.py").is_file():
+        parser.error(f"--baseline {args.baseline}: not a dtrain checkout (no tools/bench.py there)")
+    outcomes = run_suite(names, args.out, args.budget, args.timeout, args.profile, args.baseline,
+                         args.baseline_commit)
     width = max(len(name) for name, _ in outcomes)
     for name, outcome in outcomes:
         print(f"{name:<{width}}  {outcome}")

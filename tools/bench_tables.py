@@ -102,7 +102,8 @@ def breakdowns(path: Path) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     for category, label in CATEGORIES.items():
-        cells = [cell(r["profile"]["ms"][category], r) for r in rows]
+        # "-" where a row was profiled before the category existed (its kernels counted elsewhere).
+        cells = [cell(r["profile"]["ms"][category], r) if category in r["profile"]["ms"] else "-" for r in rows]
         if category in ("gemm", "attention"):
             cells = [f"{c}; ceiling {ceiling_of(r, f'{category}_s')}" for c, r in zip(cells, rows)]
         elif category == "communication":

@@ -37,6 +37,7 @@ CATEGORIES = {
     "gemm": "GEMMs",
     "attention": "attention",
     "loss": "loss (the head's element-wise work)",
+    "routing": "routing and token permutation (top-k, sorts, gathers and scatters by index)",
     "elementwise": "element-wise and norms",
     "optimizer": "optimizer (clip and AdamW)",
     "fsdp": "FSDP's copies and casts",
@@ -63,6 +64,11 @@ _BY_NAME = [
 _ELEMENTWISE = re.compile(r"^triton_(poi|red|per)_|elementwise|reduce_kernel|norm|softmax|silu|rotary|copy|"
                           r"cat_|catarray|fill|amax|multi_tensor_apply|cast_transpose|transformer_engine::|^aten::",
                           re.I)
+# Kernels (and CPU ops) of an MoE block's routing and of moving rows to their experts and back, by
+# name where no range claims them: top-k, sorts (cub's radix sorts), gathers and scatters by index
+# (inductor names a fused kernel after its aten ops, `index` for an indexed load), searches and
+# cumulative sums of the counts. A dense model's embedding lookup counts here too.
+_ROUTING = re.compile(r"topk|sort|scatter|gather|index|searchsorted|cumsum|repeat_interleave|bincount", re.I)
 # CPU ops that move no data: views and allocations.
 _NO_WORK = re.compile(r"^aten::(empty|empty_strided|empty_like|view|_unsafe_view|as_strided|t|transpose|"
                       r"reshape|expand|slice|select|squeeze|unsqueeze|permute|alias|detach|resolve_conj|"
@@ -84,6 +90,8 @@ def classify(name: str, range_category: str | None = None) -> str:
         return "other"
     if range_category is not None:
         return range_category
+    if _ROUTING.search(name):
+        return "routing"
     if _ELEMENTWISE.search(name) and not name.startswith(("Memcpy", "Memset")):
         return "elementwise"
     return "other"

@@ -21,6 +21,7 @@ SHAPES = {
     "tiny-qwen3": ["--model", "tiny-qwen3", "--seq-len", "256", "--micro-batch", "4"],
     "tiny-gpt-oss": ["--model", "tiny-gpt-oss", "--seq-len", "256", "--micro-batch", "4"],
     "tiny-llama4": ["--model", "tiny-llama4", "--seq-len", "256", "--micro-batch", "4"],
+    "tiny-moe": ["--model", "tiny-moe", "--seq-len", "256", "--micro-batch", "4"],
     "tiny-defaults": ["--model", "tiny", "--seq-len", "256"],
     # The micro-batch the run's defaults choose (dtrain/layout/defaults.py), as a user gets it.
     "llama-1b-defaults": ["--model", "llama-1b", "--seq-len", "4096"],
@@ -30,4 +31,4 @@ SHAPES = {
 }
 
 # The shapes small enough to run on a CPU (a smoke test of the tool, not a measurement).
-CPU_SHAPES = ("tiny", "tiny-qwen3", "tiny-gpt-oss", "tiny-llama4", "tiny-defaults")
+CPU_SHAPES = ("tiny", "tiny-qwen3", "tiny-gpt-oss", "tiny-llama4", "tiny-defaults", "tiny-moe")
