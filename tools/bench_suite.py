@@ -33,10 +33,10 @@ from pathlib import Path
 
 from tools import suite_dense
 from tools.bench import CALL_ENV
-from tools.bench_tables import ATTENTION_FILE
+from tools.bench_tables import ATTENTION_FILE, EXPERTS_FILE
 
 # Where the suite appends the JSON lines of the benchmarks of parts of a step, by their kind.
-SIDE_FILES = {"attention": ATTENTION_FILE, "experts": "experts.jsonl"}
+SIDE_FILES = {"attention": ATTENTION_FILE, "experts": EXPERTS_FILE}
 
 STEPS = ["--steps", "14", "--warmup", "4"]
 LONG = ["--seq-len", "32768", "--micro-batch", "1"]

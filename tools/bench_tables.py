@@ -143,7 +143,8 @@ def experts_table(path: Path) -> str:
     forward + backward at the same rows."""
     if not path.exists():
         return f"(no experts runs: `python -m tools.bench_experts` writes {path})"
-    newest = {(r["shape"], r["rows"], r["way"]): r for r in read_rows(path)}
+    # Rows of a way that failed (a recipe or package the machine lacks) have no time to show.
+    newest = {(r["shape"], r["rows"], r["way"]): r for r in read_rows(path) if "ms" in r}
     lines = ["| shape | experts x FFN | rows | way | ms fwd+bwd | TFLOP/s | device, date, commit |",
              "|---|---|---|---|---|---|---|"]
     shapes = list(dict.fromkeys(shape for shape, _, _ in newest))  # each shape's rows together, in file order
