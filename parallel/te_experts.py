@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallel import te_linear
+from parallel.fp8_experts import padded_rows
 
 # Gate, up and down: the matmuls of one expert, in the order of the slot block's rows.
 MATMULS = 3
@@ -155,11 +156,6 @@ class PaddedRows:
         if self.routed == self.input_rows:
             return rows
         return torch.cat([rows, rows.new_zeros(self.input_rows - self.routed, rows.shape[1])])
-
-
-def padded_rows(rows: int, experts: int, align: int) -> int:
-    """The rows of the padded layout: room for every expert's padding, a multiple of `align`."""
-    return -(-(rows + experts * (align - 1)) // align) * align
 
 
 @functools.cache
