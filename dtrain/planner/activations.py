@@ -181,11 +181,12 @@ def _moe_per_token(work: Workload, mode: str, compiled: bool, b: int) -> float:
         return router + b * rows * (2 * f + d) + exchanged + b * 2 * shared
     if not compiled:
         # Eager keeps the router's probabilities, top-k and sort indices, the block's input once
-        # and each routed row, all four SwiGLU tensors of a row, and the combine's two fp32 products.
+        # and each routed row, all four SwiGLU tensors of a row, and the combine's fp32 rows (gathered
+        # back to slot order, then weighted).
         router = 12 * experts + 32 * k + 12
         # gpt-oss's clamped unit keeps the clamps' inputs and one more product: 7 tensors of a row, not 4.
         unit = 7 if cfg.expert_glu is not None else 4
-        return (4 * d + router + b * d + b * rows * (d + unit * f) + 8 * k * d
+        return (4 * d + router + b * d + b * rows * (d + unit * f) + 4 * k * d
                 + (b * (d + 4 * shared) if shared else 0.0))
     return 4 * d + router + b * rows * (2 * d + 3 * f) + (b * (d + 3 * shared) if shared else 0.0)
 
