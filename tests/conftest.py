@@ -1,6 +1,8 @@
 import contextlib
 import io
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+REPO = Path(__file__).resolve().parent.parent
+# What Python and pytest write into a checkout by themselves.
+_OWN_LEFTOVERS = {".git", "__pycache__", ".pytest_cache", ".venv"}
+
+
+def repository_files() -> set[str]:
+    found = set()
+    for folder, subfolders, files in os.walk(REPO):
+        subfolders[:] = [name for name in subfolders if name not in _OWN_LEFTOVERS and not name.endswith(".egg-info")]
+        found.update(os.path.relpath(os.path.join(folder, name), REPO) for name in files)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def repository_stays_clean():
+    """Tests write into temporary directories only: a run directory left in the checkout (runs/...)
+    would mix with the user's own runs."""
+    before = repository_files()
+    yield
+    added = sorted(repository_files() - before)
+    if added:
+        pytest.fail(f"the tests wrote into the repository: {', '.join(added[:10])}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

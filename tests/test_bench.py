@@ -96,8 +96,11 @@ def test_readme_gets_the_newest_run_of_each_setup_between_its_markers(tmp_path):
 def test_suite_runs_the_cpu_setup_and_appends_its_json_line(tmp_path):
     out = tmp_path / "results.jsonl"
     out.write_text('{"earlier": "run"}\n')
-    result = run_cli(["--gpus", "0", "--only", "cpu tiny", "--out", str(out)], module="tools.bench_suite")
+    result = run_cli(["--gpus", "0", "--only", "cpu tiny", "--out", str(out), "--runs-dir", str(tmp_path / "runs")],
+                     module="tools.bench_suite")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    # The setup's run directory is where it was told, not in the repository's runs/.
+    assert (tmp_path / "runs" / "suite-cpu-tiny" / "train.log").is_file()
     lines = out.read_text().splitlines()
     assert [json.loads(line)["shape"] for line in lines[1:]] == ["tiny", "tiny-qwen3", "tiny-gpt-oss", "tiny-llama4"]
     assert "cpu tiny" in result.stdout and "tok/s/GPU" in result.stdout

@@ -267,11 +267,13 @@ def selected(gpus: int, only: list[str], group: str | None = None) -> list[str]:
 
 
 def run_suite(names: list[str], out: Path, budget: float, timeout: float, profile: Path | None = None,
-              baseline: Path | None = None, baseline_commit: str = "baseline") -> list[tuple[str, str]]:
-    """Runs each setup (profiled into `profile`/<setup>/ if given); appends its JSON line to `out`;
-    returns (name, outcome) pairs. A loss check runs again in the checkout at `baseline` (its own
-    code, launched there), and the suite compares the two runs' losses step by step, as it
-    compares a check run `REPEAT` with its first run."""
+              baseline: Path | None = None, baseline_commit: str = "baseline",
+              runs_dir: Path = Path("runs")) -> list[tuple[str, str]]:
+    """Runs each setup (profiled into `profile`/<setup>/ if given, its run directory
+    `runs_dir`/suite-<setup>); appends its JSON line to `out`; returns (name, outcome) pairs. A
+    loss check runs again in the checkout at `baseline` (its own code, launched there), and the
+    suite compares the two runs' losses step by step, as it compares a check run `REPEAT` with its
+    first run."""
     start, outcomes = time.monotonic(), []
     # One id for the rows of this call (or of the calls a caller gave one id to share).
     call = os.environ.get(CALL_ENV) or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
@@ -281,20 +283,21 @@ def run_suite(names: list[str], out: Path, budget: float, timeout: float, profil
         if time.monotonic() - start > budget:
             outcomes.append((name, "not started: over --budget"))
             continue
-        outcome, run_dirs[name] = _run_setup(name, out, timeout, profile, Path.cwd(), env)
+        outcome, run_dirs[name] = _run_setup(name, out, timeout, profile, Path.cwd(), env, runs_dir)
         if name.endswith(REPEAT) and name[:-len(REPEAT)] in run_dirs:
             outcome += "; losses " + _loss_difference(run_dirs[name[:-len(REPEAT)]], run_dirs[name], "the first run")
         outcomes.append((name, outcome))
         if "loss check" in name and not name.endswith(REPEAT) and baseline is not None:
             there = {**env, "PYTHONPATH": str(baseline.resolve()), "DTRAIN_COMMIT": baseline_commit}
-            outcome, baseline_dir = _run_setup(name, out, timeout, None, baseline.resolve(), there, "-baseline")
+            outcome, baseline_dir = _run_setup(name, out, timeout, None, baseline.resolve(), there, runs_dir,
+                                               "-baseline")
             outcome += "; losses " + _loss_difference(baseline_dir, run_dirs[name], "the baseline's")
             outcomes.append((f"{name} (baseline {baseline_commit})", outcome))
     return outcomes
 
 
 def _run_setup(name: str, out: Path, timeout: float, profile: Path | None, cwd: Path, env: dict[str, str],
-               suffix: str = "") -> tuple[str, Path]:
+               runs_dir: Path, suffix: str = "") -> tuple[str, Path]:
     """One setup's process in `cwd` (a checkout): its outcome, and its run directory (emptied
     first: a loss check reads every step logged there)."""
     processes, bench_args = SUITE[name]
@@ -302,7 +305,7 @@ def _run_setup(name: str, out: Path, timeout: float, profile: Path | None, cwd: 
     slug = name.replace(" ", "-").replace("=", "")
     if profile is not None:
         bench_args = ["--profile", str(profile / slug), *bench_args]
-    run_dir = cwd / "runs" / f"suite-{slug}{suffix}"
+    run_dir = cwd / runs_dir / f"suite-{slug}{suffix}"  # an absolute runs_dir stays as it is
     shutil.rmtree(run_dir, ignore_errors=True)
     # A training run's directory (after `--`, among dtrain's flags); the benchmarks of parts of a step have none.
     to_run_dir = ["--run-dir", str(run_dir)] if "--" in bench_args else []
@@ -358,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                         "tar -x -C DIR`): each loss check runs there too, and the suite compares the losses")
     parser.add_argument("--baseline-commit", default="baseline", help="the commit the --baseline checkout holds, "
                         "for its rows")
+    parser.add_argument("--runs-dir", type=Path, default=Path("runs"),
+                        help="where each setup's run directory (suite-<setup>) goes")
     parser.add_argument("--list", action="store_true", help="print the setups that would run, and exit")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     gpus = args.gpus
@@ -378,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline is not None and not (args.baseline / "tools" / "bench.py").is_file():
         parser.error(f"--baseline {args.baseline}: not a dtrain checkout (no tools/bench.py there)")
     outcomes = run_suite(names, args.out, args.budget, args.timeout, args.profile, args.baseline,
-                         args.baseline_commit)
+                         args.baseline_commit, args.runs_dir)
     width = max(len(name) for name, _ in outcomes)
     for name, outcome in outcomes:
         print(f"{name:<{width}}  {outcome}")
