@@ -157,9 +157,13 @@ class TrainArgs:
                                       "when pp=1), as Megatron's --recompute-num-layers with its block method; the "
                                       "other blocks follow --recompute")
     run_dir: str = _field("runs/default", "directory for the resolved config, TensorBoard files and log")
+    overwrite: bool = _field(False, "start a new run in a --run-dir that holds another run's train.log, TensorBoard "
+                                    "files or checkpoints, deleting them (without it, or --resume, such a directory "
+                                    "is refused)")
     log_every: int = _field(1, "steps between console lines (0: the last step's only)")
-    checkpoint_every: int = _field(0, "steps between checkpoints in RUN_DIR/checkpoints (0: none); "
-                                      "a run with checkpoints also saves at its end")
+    checkpoint_every: int = _field(0, "steps between checkpoints in RUN_DIR/checkpoints (0: only the final one)")
+    final_checkpoint: bool = _field(True, "save a checkpoint at the run's last step (--no-final-checkpoint: only "
+                                          "the --checkpoint-every ones)")
     keep_last: int = _field(0, "keep only the newest K checkpoints (0: keep all)")
     async_checkpoint: bool = _field(False, "write checkpoints in the background while training goes on")
     resume: str | None = _field(None, "continue from a checkpoint: alone (or latest), the latest valid one in --run-dir, "

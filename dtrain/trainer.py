@@ -24,6 +24,7 @@ from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.layout.host_memory import check_host_memory
 from dtrain.rank_inputs import RankInputs
 from dtrain.rank_model import build_training_model
+from dtrain.run_summary import closing_lines
 from dtrain.resilience.faults import FaultInjector
 from dtrain.resilience.heartbeat import Heartbeat
 from dtrain.resilience.step_guard import Decision, StepGuard
@@ -334,6 +335,7 @@ class Trainer:
             if self.watchdog is not None:
                 self.watchdog.relax(until_step=self.step + 1)
 
+        started = time.perf_counter()
         self.checkpointer.start()
         try:
             while self.step < total:
@@ -356,6 +358,13 @@ class Trainer:
         finally:
             self.checkpointer.close()
             self.metrics.close()
+        if self.runtime.is_main:
+            for line in closing_lines(run_dir=self.run_dir, step=self.step, total_steps=total,
+                                      checkpoint=self.checkpointer.latest(), world_size=self.runtime.world_size,
+                                      elapsed_s=time.perf_counter() - started,
+                                      last_loss=history[-1]["train/loss"] if history else None,
+                                      overwrite=self.config.train.overwrite):
+                logger.info(line)
         return history
 
     def _step_boundary(self, before_save) -> bool:

@@ -48,7 +48,7 @@ class Checkpointer:
         self.fp8_scaling = fp8_scaling
         t = config.train
         self.run_dir = Path(t.run_dir)
-        self.every, self.keep_last = t.checkpoint_every, t.keep_last
+        self.every, self.keep_last, self.final = t.checkpoint_every, t.keep_last, t.final_checkpoint
         self.rank, self.world_size = runtime.rank, runtime.world_size
         self.is_main = runtime.is_main
         self.root = self.run_dir / ckpt.CHECKPOINTS
@@ -70,7 +70,7 @@ class Checkpointer:
     def restore(self) -> resume.Resumed:
         """Loads `--resume`'s checkpoint (else `--init-from-hf`'s weights); returns where to start."""
         t = self.config.train
-        if self.is_main and (t.resume or self.every):
+        if self.is_main and (t.resume or self.saves):
             recovered = ckpt.recover_commits(self.root)
             if recovered:
                 logger.info("recovered checkpoints whose commit was interrupted after they were complete: %s",
@@ -78,7 +78,7 @@ class Checkpointer:
             removed = ckpt.remove_incomplete(self.root)
             if removed:
                 logger.info("removed incomplete checkpoints: %s", ", ".join(removed))
-        if self.every:  # after the leftovers are gone: a failed save's may have filled the disk
+        if self.saves:  # after the leftovers are gone: a failed save's may have filled the disk
             self._check_writable()
         if t.resume:
             resumed = self._resume()
@@ -174,7 +174,7 @@ class Checkpointer:
         problem = integrity.write_problem(self.root)
         resume.agree(None if problem is None else UserError(
             f"checkpoint directory {self.root} is not writable: {problem}; make it writable or free space there, "
-            f"choose another --run-dir, or turn checkpoints off with --checkpoint-every 0"))
+            f"choose another --run-dir, or turn checkpoints off with --checkpoint-every 0 --no-final-checkpoint"))
 
     def _set_aside(self, path: Path, error: ckpt.CorruptCheckpoint, older: Path | None) -> None:
         """A corrupt checkpoint of this run is renamed out of the way (kept for inspection), so that
@@ -302,11 +302,23 @@ class Checkpointer:
             self.save(step)
         return False
 
+    @property
+    def saves(self) -> bool:
+        """Whether this run writes checkpoints: every --checkpoint-every steps, or at its end."""
+        return bool(self.every) or self.final
+
     def finish(self, step: int) -> None:
-        """The final save of a run with checkpoints on; waits for any background save."""
-        if self.every and self.last_saved != step:
+        """The final save (unless --no-final-checkpoint); waits for any background save."""
+        if self.final and self.last_saved != step:
             self.save(step, wait=True)
         self._wait_pending()
+
+    def latest(self) -> Path | None:
+        """The run directory's checkpoint of the last step saved (or resumed at), once committed."""
+        if self.last_saved is None:
+            return None
+        path = self.root / ckpt.checkpoint_name(self.last_saved)
+        return path if (path / ckpt.COMPLETE).is_file() else None
 
     def close(self) -> None:
         for sig, handler in self._old_handlers.items():
