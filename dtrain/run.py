@@ -3,6 +3,7 @@ every distinct rank of a world of any size."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stdout)
     logging.getLogger("dtrain").setLevel(level)
     from dtrain.config import load_config
+    from dtrain import run_directory
     from dtrain.resilience import failures, run_lock
 
     claim = None
@@ -34,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
             # The run directory's lock before anything touches the directory; a refusal reaches
             # every rank in train(). Before torch is imported: a restart that is refused costs a
             # second, not a start-up.
-            claim = run_lock.take(config.train.run_dir)
+            claim = run_lock.take(config.train.run_dir, functools.partial(
+                run_directory.check, config.train.run_dir, resume=config.train.resume, overwrite=config.train.overwrite))
             if claim.held:
                 failures.check_start(config.train.run_dir)
         from dtrain.layout import Machine

@@ -4,6 +4,7 @@ for restarts, once this run holds it)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dtrain import distributed
+from dtrain import run_directory
 from dtrain.layout import RunLayout
 from dtrain.metrics import log_file
 from dtrain.planner import advice
@@ -45,8 +47,11 @@ def train(layout: RunLayout, before_step=None, claim: run_lock.Claim | None = No
         # the ranks the job waits for before a collective times out.
         runtime = distributed.init_process_group(t.init_timeout + (GRACE_S if watching else 0.0), run_dir)
         # The lock before anything else: a second run in this directory stops before writing there.
-        claim = run_lock.agree(run_dir, runtime.rank, runtime.world_size, claim)
+        claim = run_lock.agree(run_dir, runtime.rank, runtime.world_size, claim, functools.partial(
+            run_directory.check, run_dir, resume=t.resume, overwrite=t.overwrite))
         holds_run_dir = True
+        if runtime.is_main:
+            run_directory.clear(run_dir, resume=t.resume, overwrite=t.overwrite)
         if watching:
             watchdog = Watchdog(beat, open_board(runtime.rank, runtime.world_size, fallback=True), run_dir=run_dir,
                                 world_size=runtime.world_size, init_timeout=t.init_timeout,

@@ -65,3 +65,29 @@ def test_checkpoints_every_n_steps_end_on_the_last_step_unless_turned_off(tmp_pa
     assert [step for step, _ in ckpt.valid_checkpoints(tmp_path / "a" / ckpt.CHECKPOINTS)] == [2, 3]
     assert run(tmp_path / "b", ["--steps", "3", "--checkpoint-every", "2", "--no-final-checkpoint"])[0] == 0
     assert [step for step, _ in ckpt.valid_checkpoints(tmp_path / "b" / ckpt.CHECKPOINTS)] == [2]
+
+
+def test_a_run_directory_holding_another_run_is_refused_unless_resumed_or_overwritten(tmp_path, run):
+    run_dir = tmp_path / "run"
+    assert run(run_dir, [])[0] == 0
+    log_before = (run_dir / "train.log").read_text()
+    code, _, err = run(run_dir, ["--seed", "1"])
+    assert code == 2 and "\n" not in err, err
+    assert f"--run-dir {run_dir} holds another run (train.log, TensorBoard event files, checkpoints)" in err
+    assert "--resume" in err and "--overwrite" in err
+    assert (run_dir / "train.log").read_text() == log_before  # refused before writing there
+    # --overwrite with a mistake elsewhere deletes nothing: the options are checked first.
+    assert run(run_dir, ["--overwrite", "--mesh", "tq=2"])[0] == 2
+    assert (run_dir / "train.log").read_text() == log_before
+    code, log, err = run(run_dir, ["--overwrite", "--seed", "1"])
+    assert code == 0, err
+    assert "--overwrite: deleted the previous run's" in log
+    assert "seed = 1" in (run_dir / "config.toml").read_text()
+    assert (run_dir / "train.log").read_text().count("step 2/2 | loss") == 1  # the old log is gone
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert [step for step, _ in ckpt.valid_checkpoints(run_dir / ckpt.CHECKPOINTS)] == [2]
+
+
+def test_overwrite_with_resume_is_refused(tmp_path, run):
+    code, _, err = run(tmp_path / "run", ["--overwrite", "--resume", "auto"])
+    assert code == 2 and "--overwrite deletes the run that --resume auto would continue" in err, err

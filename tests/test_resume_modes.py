@@ -69,8 +69,9 @@ def test_a_restart_that_finds_only_corrupt_checkpoints_stops_every_time_unless_t
     code, out, err = run(run_dir, ["--resume", "auto", "--start-over"])
     assert code == 0, err
     assert "--start-over: no valid checkpoint" in out and "starting from step 0" in out and "step 2/2" in out, out
-    # The corrupt ones stay for inspection.
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000003.corrupt", "step_000006.corrupt"]
+    # The corrupt ones stay for inspection, beside the new run's final checkpoint.
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002", "step_000003.corrupt",
+                                                             "step_000006.corrupt"]
 
 
 def test_start_over_never_discards_a_valid_checkpoint(reference, tmp_path, run):

@@ -146,7 +146,7 @@ def run(shape: str, steps: int, warmup: int, extra: list[str], profile_dir: Path
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     argv = [*SHAPES[shape], "--data", "synthetic", "--steps", str(steps), "--warmup-steps", "2", "--lr", "3e-4",
-            "--run-dir", f"runs/bench-{shape}"]
+            "--run-dir", f"runs/bench-{shape}", "--overwrite", "--no-final-checkpoint"]
     given = load_config(argv + extra)
     layout = advice.resolve_run(given, world_size, Machine.detect())
     # The row records the flags as given (--mesh auto stays auto), with the batch the run took.

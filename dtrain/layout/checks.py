@@ -85,6 +85,8 @@ def _check_sizes(config: Config) -> None:
     if t.max_skipped_steps < 1 or t.spike_window < 1 or t.skip_spikes < 0 or 0 < t.skip_spikes <= 1:
         raise UserError(f"--max-skipped-steps {t.max_skipped_steps} and --spike-window {t.spike_window} must be >= 1, "
                         f"--skip-spikes {t.skip_spikes} 0 (off) or above 1 (a factor of the median loss)")
+    if t.overwrite and t.resume is not None:
+        raise UserError(f"--overwrite deletes the run that --resume {t.resume} would continue; leave out one of them")
     if config.optim.warmup_steps < 0:
         raise UserError(f"--warmup-steps {config.optim.warmup_steps} must be >= 0")
 

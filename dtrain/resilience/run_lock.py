@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import attrs
 
@@ -203,22 +204,30 @@ class Claim:
             self.lock.release()
 
 
-def take(run_dir: Path) -> Claim:
-    """Rank 0 takes the run directory's lock; a refusal is kept to be raised on every rank."""
+def take(run_dir: Path, prepare: Callable[[], None] | None = None) -> Claim:
+    """Rank 0 takes the run directory's lock, then calls `prepare()` (which checks or clears what
+    the directory holds); a refusal of either is kept to be raised on every rank."""
     lock = RunDirLock(run_dir)
     try:
         lock.acquire()
     except UserError as error:
         return Claim(refusal=str(error))
+    if prepare is not None:
+        try:
+            prepare()
+        except UserError as error:
+            lock.release()
+            return Claim(refusal=str(error))
     return Claim(lock=lock)
 
 
-def agree(run_dir: Path, rank: int, world_size: int, claim: Claim | None = None) -> Claim | None:
-    """Every rank, once the process group is up: rank 0's claim (taken here when None) if this run
-    holds the directory, else rank 0's refusal raised on every rank, so that all of them stop
-    before touching the directory. The caller releases the claim when the run ends."""
+def agree(run_dir: Path, rank: int, world_size: int, claim: Claim | None = None,
+          prepare: Callable[[], None] | None = None) -> Claim | None:
+    """Every rank, once the process group is up: rank 0's claim (taken here with `prepare` when
+    None) if this run holds the directory, else rank 0's refusal raised on every rank, so that all
+    of them stop before touching the directory. The caller releases the claim when the run ends."""
     if rank == 0 and claim is None:
-        claim = take(run_dir)
+        claim = take(run_dir, prepare)
     refusal = claim.refusal if claim is not None else None
     if world_size > 1:
         import torch.distributed as dist
