@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from dtrain import command_line
 from models.errors import UserError
 
 
@@ -34,7 +35,7 @@ class ParallelArgs:
                                      "matmul that consumes (produces) it: symm_mem (torch's symmetric-memory "
                                      "ops, CUDA), chunked (the sequence cut into tp chunks whose collectives "
                                      "overlap the previous chunk's matmul), none (separate collectives); auto: "
-                                     "none on CUDA (symm_mem measured slower), chunked elsewhere",
+                                     "none on CUDA, chunked elsewhere",
                              choices=("auto", "symm_mem", "chunked", "none"))
     async_tp: bool = _field(False, "let inductor fuse tp all-gathers/reduce-scatters with matmuls (needs --compile, "
                                    "--sequence-parallel and CUDA; --tp-overlap does this without inductor)")
@@ -216,15 +217,16 @@ def _flag(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = command_line.Parser(
         prog="python -m dtrain.run",
         description="Train a language model on any mesh. Every flag can also be set in --config FILE.toml "
-                    "under its group ([data], [optim], ...); flags win over the file.",
+                    "under its group ([model], [parallel], [data], [optim], [train]); flags win over the file.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", default=None, help="TOML file with [model], [parallel], [data], [optim], [train] tables")
+    parser.add_argument("--list-models", action=command_line.ListModels)
+    sections = {name: parser.add_argument_group(name) for name in command_line.SECTIONS}
     for group_name, group_cls in GROUPS.items():
-        group = parser.add_argument_group(group_name)
         for field in attrs.fields(group_cls):
             # The default shown by --help; load_config parses with SUPPRESS so that only the flags
             # given override the TOML file, and the attrs class stays the one source of defaults.
@@ -238,15 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs["metavar"] = field.name.upper()
                 if field.metadata.get("const") is not None:
                     kwargs.update(nargs="?", const=field.metadata["const"])
-            group.add_argument(_flag(field.name), **kwargs)
+            sections[command_line.section_of(group_name, field.name)].add_argument(_flag(field.name), **kwargs)
     return parser
 
 
 def load_config(argv: list[str] | None = None) -> Config:
     """Defaults, then the TOML file of --config, then the flags given."""
     argv = sys.argv[1:] if argv is None else argv
-    if "-h" in argv or "--help" in argv:
-        build_parser().parse_args(["--help"])  # prints the defaults and exits
+    if command_line.wants_help(argv):
+        build_parser().parse_args([next(a for a in argv if command_line.wants_help([a]))])  # prints, exits
     parser = build_parser()
     for action in parser._actions:
         if action.dest.count(".") == 1:

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     from dtrain import run_directory
     from dtrain.resilience import failures, run_lock
 
-    claim = None
+    claim, training = None, False
     try:
         config = load_config(argv)
         if config.parallel.json:
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         from dtrain.layout import Machine
         from dtrain.planner.advice import resolve_run
 
+        if not planning:
+            _check_launched(config.parallel.mesh)
+
         # The options checked and decided once, for this machine and world.
         layout = resolve_run(config, _world_size(config, planning), Machine.detect())
         if config.parallel.dry_run:
@@ -56,10 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from dtrain.train import train
 
+            training = True
             train(layout, claim=claim)
     except UserError as error:
-        # A user's mistake: one line that says what to change, no traceback.
-        print(f"dtrain: error: {error}", file=sys.stderr)
+        # A user's mistake: one line that says what to change, no traceback. A mistake in the
+        # options (found before training, alike on every rank) or one the ranks agreed on is
+        # said by rank 0 alone; the other ranks exit with the same code, quietly.
+        if rank == 0 or (training and not error.every_rank):
+            print(f"dtrain: error: {error}", file=sys.stderr)
         return 2
     except failures.JobFailure as error:
         # A failure of the job (a hang, a lost rank, a repeated failure): one line per rank.
@@ -81,6 +88,20 @@ def _log_to_stderr() -> None:
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
             handler.setStream(sys.stderr)
+
+
+def _check_launched(mesh: str) -> None:
+    """A mesh of several ranks in one plain process: the user meant torchrun, or a dry run."""
+    from dtrain import distributed
+    from parallel.mesh import MeshSpec
+
+    if distributed.launched_by_torchrun() or mesh in ("", "auto"):
+        return
+    ranks = MeshSpec.parse(mesh, None).world_size
+    if ranks > 1:
+        raise UserError(f"--mesh {mesh} spans {ranks} ranks but this is one process: start it with torchrun "
+                        f"--nproc_per_node {ranks} -m dtrain.run ..., or check the layout on this machine with "
+                        f"--dry-run (every rank's memory and collectives) or --print-plan")
 
 
 def _world_size(config, planning: bool) -> int | None:

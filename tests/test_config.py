@@ -7,6 +7,7 @@ import tomllib
 import attrs
 import pytest
 
+from dtrain import command_line
 from dtrain.config import (
     GROUPS, Config, DataArgs, ModelArgs, OptimArgs, ParallelArgs, TrainArgs, build_parser, load_config, to_toml,
 )
@@ -53,11 +54,9 @@ def test_flags_override_defaults():
                                      run_dir="runs/x", steps=50)
 
 
-def test_bad_choice_exits_with_usage_error(capsys):
-    with pytest.raises(SystemExit) as info:
+def test_bad_choice_is_a_user_error():
+    with pytest.raises(UserError, match="argument --decay: invalid choice: 'exponential'"):
         load_config(["--decay", "exponential"])
-    assert info.value.code == 2
-    assert "exponential" in capsys.readouterr().err
 
 
 TOML = """
@@ -159,9 +158,8 @@ def _check_defaults_listed(text: str) -> None:
         position = options.find(_flag_text(group, field))
         assert position >= 0, (group, field.name)
         positions.append(position)
-    assert positions == sorted(positions)
     for i, (group, field) in enumerate(ALL_FIELDS):
-        end = positions[i + 1] if i + 1 < len(positions) else len(options)
+        end = min(e for e in [*positions, len(options)] if e > positions[i])
         entry = options[positions[i]:end]
         assert f"(default: {field.default})" in entry, (group, field.name, entry)
 
@@ -171,8 +169,8 @@ def test_help_exits_zero_and_lists_every_flag(capsys):
     options = text[text.index("options:"):]
     for group, field in ALL_FIELDS:
         assert _flag_text(group, field) in options, (group, field.name)
-    for group in GROUPS:
-        assert f"{group}:" in options
+    for section in command_line.SECTIONS:
+        assert f"{section}:" in options
 
 
 def test_parser_help_lists_defaults(capsys):

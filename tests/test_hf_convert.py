@@ -338,7 +338,8 @@ def test_broken_mixtral_directories_and_unexportable_models_are_one_line_errors(
         hf.HFCheckpoint(tmp_path / "hf")
     assert "\n" not in str(info.value)
     save_file({**tensors, "model.layers.1.block_sparse_moe.experts.2.w3.weight": missing[:, :48].contiguous()}, file)
-    with pytest.raises(UserError, match=r"experts\.2\.w3\.weight has shape \[96, 48\] but config.json implies \[96, 64\]"):
+    with pytest.raises(UserError, match=r"experts\.2\.w3\.weight has shape \[96, 48\] but config.json implies \[96, 64\]: "
+                                        r"the size 64 \(config.json's hidden_size\) differs"):
         hf_convert.load_hf_params(tmp_path / "hf")
     config_path = tmp_path / "hf" / "config.json"
     config = json.loads(config_path.read_text())

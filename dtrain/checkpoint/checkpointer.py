@@ -98,7 +98,7 @@ class Checkpointer:
                 found = str(error)
         found = ckpt.broadcast_from_main(found)
         if isinstance(found, str):
-            raise UserError(found)  # on every rank, not on rank 0 alone
+            raise UserError(found, every_rank=True)  # on every rank, not on rank 0 alone
         return found
 
     def _resume(self) -> resume.Resumed | None:
@@ -158,7 +158,7 @@ class Checkpointer:
                            f"0), or add --start-over")
         refusal, note = ckpt.broadcast_from_main((refusal, note))
         if refusal is not None:
-            raise UserError(refusal)
+            raise UserError(refusal, every_rank=True)
         if self.is_main:
             logger.log(logging.WARNING if "corrupt" in note else logging.INFO, note)
 
@@ -404,7 +404,7 @@ class Checkpointer:
                     f"committing the checkpoint of step {p.step} failed: {type(error).__name__}: {error}")
         problem = ckpt.broadcast_from_main(problem)
         if problem is not None:
-            raise UserError(problem)
+            raise UserError(problem, every_rank=True)
         if self.is_main:
             logger.info("saved checkpoint %s in %s", p.final, ckpt.elapsed(p.started))
 

@@ -95,4 +95,4 @@ def agree(error: UserError | None) -> None:
         dist.all_gather_object(outcomes, outcome)
     found = [o for o in outcomes if o is not None]
     for corrupt, message in sorted(found, key=lambda o: o[0]):  # refusals first
-        raise (CorruptCheckpoint if corrupt else UserError)(message)
+        raise (CorruptCheckpoint if corrupt else UserError)(message, every_rank=True)

@@ -192,9 +192,21 @@ class HFCheckpoint:
         expected = piece.hf_shape(shape)
         if tuple(value.shape) != expected:
             raise UserError(f"{file}: {piece.hf_name} has shape {list(value.shape)} but config.json implies "
-                            f"{list(expected)}")
+                            f"{list(expected)}{self._fields_setting(value.shape, expected)}")
         _check_values(value, piece.hf_name, file)
         return value
+
+    def _fields_setting(self, found: tuple[int, ...], expected: tuple[int, ...]) -> str:
+        """The config.json fields whose value is a size that differs (the fields to correct, or
+        the sign that the weights belong to another config.json)."""
+        hints = []
+        for got, want in zip(found, expected):
+            if got != want:
+                keys = [k for k, v in self.raw_config.items() if type(v) is int and v in (want, got)]
+                hints.append(f"{want} (config.json's {' or '.join(keys)})" if keys else str(want))
+        if len(found) != len(expected) or not hints:
+            return ""
+        return f": the size {', '.join(hints)} differs; correct that field or use the config.json of these weights"
 
     def _read_stored(self, hf_name: str) -> torch.Tensor:
         file = self.files[hf_name]

@@ -241,5 +241,5 @@ def agree(run_dir: Path, rank: int, world_size: int, claim: Claim | None = None,
             raise
         refusal = box[0]
     if refusal is not None:
-        raise UserError(refusal)
+        raise UserError(refusal, every_rank=True)
     return claim
