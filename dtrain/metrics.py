@@ -122,9 +122,10 @@ class MetricsLogger:
             # A resumed run drops the events a previous run logged after its checkpoint.
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
                                         purge_step=start_step + 1 if start_step else None)
-            if peak is None:
-                kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
-                logger.warning("MFU is not reported: no known peak FLOP/s for %s", kind)
+            if peak is None and device.type == "cuda":
+                logger.warning("MFU is not reported: no known peak FLOP/s for %s", torch.cuda.get_device_name(device))
+        # On GPUs throughput is per GPU (the peers' unit); elsewhere the run's, all processes together.
+        self.per_gpu = device.type == "cuda"
 
     def log(self, step: int, total_steps: int, scalars: dict[str, float], console: bool) -> None:
         if not self.enabled:
@@ -133,7 +134,7 @@ class MetricsLogger:
             self.writer.add_scalar(name, value, step)
         self.journal.step(step, scalars)
         if console:
-            logger.info(format_line(step, total_steps, scalars))
+            logger.info(format_line(step, total_steps, scalars, per_gpu=self.per_gpu))
 
     def event(self, kind: str, step: int, **fields) -> None:
         """A line of the journal for something that happened at `step` (a start, a skipped update,
@@ -153,14 +154,17 @@ class MetricsLogger:
             self.journal.close()
 
 
-def format_line(step: int, total_steps: int, s: dict[str, float]) -> str:
+def format_line(step: int, total_steps: int, s: dict[str, float], per_gpu: bool = True) -> str:
+    """The console line of a step; `per_gpu`: throughput per GPU, else the run's (perf/tokens_per_sec)."""
+    throughput = (f"tok/s/GPU {s['perf/tokens_per_sec_per_gpu']:,.0f}" if per_gpu
+                  else f"tok/s {s['perf/tokens_per_sec']:,.0f}")
     parts = [
         f"step {step:>{len(str(total_steps))}}/{total_steps}",
         f"loss {s['train/loss']:.4f}",
         *([f"val loss {s['val/loss']:.4f}"] if "val/loss" in s else []),
         f"lr {s['train/lr']:.2e}",
         f"grad norm {s['train/grad_norm']:.3f}",
-        f"tok/s/GPU {s['perf/tokens_per_sec_per_gpu']:,.0f}",
+        throughput,
     ]
     if "perf/mfu" in s:
         parts.append(f"MFU {s['perf/mfu']:.1f}%")

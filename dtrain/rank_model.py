@@ -64,6 +64,7 @@ def build_training_model(layout: RunLayout, meshes: Meshes, *, device: torch.dev
     if is_main:
         _log_tp_overlap(layout)
         _log_fp8_experts(layout)
+        _log_fp8(layout, device)
     split = layout.pipeline
     if split.pp == 1:
         return TrainingModel(built.parts, built.ctx, None, None, fp8)
@@ -82,6 +83,15 @@ def build_training_model(layout: RunLayout, meshes: Meshes, *, device: torch.dev
                     split.num_stages, split.num_microbatches, list(split.blocks_per_stage))
     tied = pipeline.TiedCopies(layout.layers, list(split.blocks_per_stage), built.parts, meshes.world, split.schedule)
     return TrainingModel(built.parts, built.ctx, runner, tied, fp8)
+
+
+def _log_fp8(layout: RunLayout, device: torch.device) -> None:
+    """Once per run: FP8 that this machine emulates trains in FP8's numerics at no FP8 speed."""
+    fp8 = layout.parallel.fp8
+    if fp8 is not None and fp8.emulated:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"the {device.type.upper()}"
+        logger.warning("--fp8 %s is emulated on %s (no FP8 matmuls): the numerics of FP8, not its speed",
+                       fp8.recipe, where)
 
 
 def _log_tp_overlap(layout: RunLayout) -> None:

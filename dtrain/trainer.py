@@ -282,7 +282,8 @@ class Trainer:
         scalars = {
             "train/loss": loss, "train/lr": launched.lr, "train/grad_norm": grad_norm,
             "train/skipped": skipped, "train/skipped_steps": self.guard.total_skipped,
-            "perf/tokens_per_sec_per_gpu": tokens_per_sec_per_gpu, "perf/step_s": elapsed,
+            "perf/tokens_per_sec_per_gpu": tokens_per_sec_per_gpu,
+            "perf/tokens_per_sec": self.global_tokens / elapsed, "perf/step_s": elapsed,
             "perf/data_s": launched.data_s, "mem/peak_gb": peak_memory_gb(self.runtime.device),
         }
         if device_s is not None:

@@ -37,6 +37,8 @@ def test_a_run_saves_a_final_checkpoint_and_its_last_lines_say_where_things_are_
     assert code == 0, err
     final = tmp_path / "run" / ckpt.CHECKPOINTS / ckpt.checkpoint_name(2)
     assert (final / ckpt.COMPLETE).is_file()
+    # Off a GPU the step line gives the run's throughput, in no GPU's unit, and no MFU.
+    assert "| tok/s " in log and "GPU" not in log and "MFU" not in log, log[-3000:]
     said = _closing(log)
     assert said["checkpoint"] == str(final)
     assert said["TensorBoard"] == str(tmp_path / "run" / "tensorboard")

@@ -86,6 +86,11 @@ def test_format_line_without_mfu():
     assert line.split(" | ")[-1] == "mem 1.23 GB"
 
 
+def test_format_line_off_a_gpu_gives_the_runs_throughput_without_a_gpu_unit():
+    line = format_line(100, 100, {**SCALARS, "perf/tokens_per_sec": 24691.2}, per_gpu=False)
+    assert "tok/s 24,691" in line.split(" | ") and "GPU" not in line and "MFU" not in line
+
+
 def test_document_attention_flops_count_the_attended_keys():
     cfg = get_model_config("llama-1b")
     # One causal document per row: (S + 1) / 2 keys per query, half the convention's attention term

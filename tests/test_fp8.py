@@ -74,3 +74,15 @@ def test_fp8_step_on_gpu_is_close_to_bf16():
     out = Float8Linear("tensorwise", emulate=False)(x, w)
     reference = x @ w.t()
     assert ((out.float() - reference.float()).norm() / reference.float().norm()).item() < 0.05
+
+
+def test_fp8_emulated_on_the_cpu_is_said_once_at_the_start(tmp_path, caplog):
+    from tests.launch import TINY_ARGS
+
+    caplog.set_level("INFO", logger="dtrain")
+    assert main([*TINY_ARGS, "--precision", "bf16", "--steps", "2", "--fp8", "tensorwise",
+                 "--run-dir", str(tmp_path)]) == 0
+    said = [r.getMessage() for r in caplog.records if "is emulated on" in r.getMessage()]
+    assert said == ["--fp8 tensorwise is emulated on the CPU (no FP8 matmuls): the numerics of FP8, not its speed"]
+    first_step = next(i for i, r in enumerate(caplog.records) if "step 1/2" in r.getMessage())
+    assert any("is emulated on" in r.getMessage() for r in caplog.records[:first_step])

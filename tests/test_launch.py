@@ -86,6 +86,19 @@ def test_outside_an_allocation_the_launcher_fails_in_one_line(tmp_path):
     assert result.stderr.startswith("dtrain.launch: error: not inside a SLURM allocation")
 
 
+def test_the_dry_run_prints_its_command_outside_an_allocation_too(capsys, monkeypatch):
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    assert slurm.main(["--dry-run", "--nodes", "4", "--", "--model", "llama3-8b", "--run-dir", "runs/8b"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# outside a SLURM allocation: the command for an example job of 4 nodes x 8 GPUs")
+    srun = lines[1].split()
+    assert srun[:2] == ["srun", "--nodes=4"] and "--gpus-per-node=8" in srun
+    assert "--rdzv-endpoint=NODE0:29500" in srun and srun[-5:] == ["llama3-8b", "--run-dir", "runs/8b", "--resume",
+                                                                   "auto"]
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in lines
+
+
 def test_a_stop_request_is_seen_by_rank_0_at_most_every_few_seconds_and_cleared(tmp_path):
     watcher, other = stop_request.StopRequest(tmp_path, enabled=True), stop_request.StopRequest(tmp_path, enabled=False)
     assert watcher.poll() is None

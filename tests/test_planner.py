@@ -12,7 +12,7 @@ import torch
 
 from dtrain.config import load_config
 from dtrain.planner import __main__ as planner_cli
-from dtrain.planner import advice, memory
+from dtrain.planner import advice, gpus, memory
 from dtrain.planner.candidates import Target
 from dtrain.planner.search import search
 from dtrain.layout import Machine, resolve
@@ -154,6 +154,9 @@ def test_mesh_auto_runs_the_planners_choice_and_logs_the_runner_up(tmp_path, cap
     chosen = [r.getMessage() for r in caplog.records if "--mesh auto chose" in r.getMessage()]
     assert chosen and "--micro-batch" in chosen[0] and "tokens/s/GPU" in chosen[0]
     assert any("runner-up" in r.getMessage() for r in caplog.records)
+    # On a machine without a GPU the rates are a GPU profile's, and the log says which.
+    assert f"(predicted on {gpus.detect()} " in chosen[0], chosen[0]
+    assert any("this machine has no GPU; the predictions are for" in r.getMessage() for r in caplog.records)
     assert "step 2/2" in (tmp_path / "train.log").read_text()
 
 

@@ -71,6 +71,11 @@ class SlurmJob:
                    int(cpus) if cpus.isdigit() else None)
 
 
+def example_job(nodes: int, gpus_per_node: int) -> SlurmJob:
+    """What `--dry-run` shows outside an allocation: a job of `nodes` placeholder nodes."""
+    return SlurmJob("$SLURM_JOB_ID", tuple(f"NODE{i}" for i in range(nodes)), 0, gpus_per_node, None)
+
+
 def hostnames(nodelist: str) -> list[str]:
     """SLURM's compact node list (`gpu[001-004,010]`) expanded by scontrol."""
     try:
@@ -103,7 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="network interface for NCCL's and gloo's sockets (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)")
     parser.add_argument("--requeue-on-sigterm", action="store_true",
                         help="requeue after a SIGTERM too (clusters that preempt by cancelling; scancel then requeues)")
-    parser.add_argument("--dry-run", action="store_true", help="print the srun command and environment, run nothing")
+    parser.add_argument("--dry-run", action="store_true", help="print the srun command and environment, run nothing "
+                                                                "(outside an allocation: for an example job)")
+    parser.add_argument("--nodes", type=int, default=2,
+                        help="--dry-run outside an allocation: the nodes of the example job (inside one: the job's)")
     return parser
 
 
@@ -171,16 +179,24 @@ def main(argv: list[str]) -> int:
     options = build_parser().parse_args(own)
     try:
         run_dir = Path(load_config(train_args).train.run_dir)  # also checks the training flags now
-        job = SlurmJob.from_environment(dict(os.environ))
+        inside = bool(os.environ.get("SLURM_JOB_ID"))
+        if options.dry_run and not inside:
+            job = example_job(options.nodes, options.nproc_per_node or 8)
+            print(f"# outside a SLURM allocation: the command for an example job of {options.nodes} nodes x "
+                  f"{job.gpus_per_node} GPUs (NODE0 ... stand for its hosts); sbatch tools/slurm.sbatch runs it")
+        else:
+            job = SlurmJob.from_environment(dict(os.environ))
         nproc = options.nproc_per_node or job.gpus_per_node
         if not nproc or nproc < 1:
             raise UserError("the job has no GPUs per node in its environment: pass --nproc-per-node N (N >= 1)")
+        if options.nodes < 1:
+            raise UserError(f"--nodes {options.nodes} must be >= 1")
         if options.max_restarts < 0:
             raise UserError(f"--max-restarts {options.max_restarts} must be >= 0")
     except UserError as error:
         print(f"dtrain.launch: error: {error}", file=sys.stderr)
         return 2
-    port = options.port or default_port(job.job_id)
+    port = options.port or default_port(job.job_id)  # 29500 for the example job
     log_dir = run_dir / "logs"
     command = srun_command(job, log_dir, torchrun_command(job, nproc, port, options.max_restarts, train_args))
     env = environment(dict(os.environ), options.socket_ifname)

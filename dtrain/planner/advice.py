@@ -76,9 +76,13 @@ def choose(config: Config, world_size: int) -> Config:
     if not candidates:
         raise UserError(f"--mesh auto: {nothing_fits(target)}")
     chosen = apply(config, candidates[0])
-    logger.info("--mesh auto chose %s", summary(candidates[0]))
+    gpu = target.gpu
+    logger.info("--mesh auto chose %s", summary(candidates[0], gpu))
     if len(candidates) > 1:
-        logger.info("--mesh auto runner-up: %s", summary(candidates[1]))
+        logger.info("--mesh auto runner-up: %s", summary(candidates[1], gpu))
+    if not torch.cuda.is_available():
+        logger.info("--mesh auto: this machine has no GPU; the predictions are for %s GPUs (the planner's default "
+                    "profile), not for this machine", gpu)
     return chosen
 
 
@@ -94,14 +98,16 @@ def apply(config: Config, candidate: Candidate) -> Config:
     return attrs.evolve(config, parallel=parallel, data=data, train=train)
 
 
-def summary(candidate: Candidate) -> str:
-    """The candidate's flags that differ between layouts, its predicted peak and speed."""
+def summary(candidate: Candidate, gpu: str | None = None) -> str:
+    """The candidate's flags that differ between layouts, its predicted peak and speed (on `gpu`'s
+    profile, named where given)."""
     flags = candidate.command.split(" -m dtrain.run ", 1)[1].split()
     keep = {"--mesh", "--micro-batch", "--recompute", "--recompute-layers", "--pp-schedule", "--pp-virtual-stages",
             "--fsdp-reshard-after-forward", "--cpu-offload", "--sequence-parallel", "--dp-mode"}
     shown = [f"{flag} {value}" if value and not value.startswith("--") else flag
              for flag, value in zip(flags, flags[1:] + [""]) if flag in keep]
-    return (f"{' '.join(shown)} (predicted {candidate.memory.total / GIGA:.1f} GB per GPU, "
+    on = f" on {gpu}" if gpu else ""
+    return (f"{' '.join(shown)} (predicted{on} {candidate.memory.total / GIGA:.1f} GB per GPU, "
             f"{candidate.tokens_per_sec_per_gpu:,.0f} tokens/s/GPU)")
 
 
