@@ -8,6 +8,8 @@ import json
 
 from dtrain.layout import RunLayout
 from dtrain.planner import memory
+from dtrain.planner.advice import gpu_memory_gb, gpu_memory_source
+from dtrain.planner.hardware import GIGA
 from models import flops
 from parallel.mesh import MeshSpec
 
@@ -109,13 +111,30 @@ def rank_ranges(ranks: tuple[int, ...]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+def assumptions_line(layout: RunLayout) -> str:
+    """What the memory figures assume: the sequence, the batch, and the GPU's memory."""
+    d = layout.config.data
+    return (f"assumed: sequences of {d.seq_len} tokens (--seq-len), micro-batch {d.micro_batch}, global batch "
+            f"{d.global_batch}, GPUs of {gpu_memory_gb(layout.config):g} GB ({gpu_memory_source(layout.config)})")
+
+
+def does_not_fit(peak_bytes: float, layout: RunLayout) -> str:
+    """'' where `peak_bytes` fits the GPU, else a warning that says what to look at."""
+    limit = gpu_memory_gb(layout.config)
+    if peak_bytes <= limit * GIGA:
+        return ""
+    return (f" -- DOES NOT FIT a {limit:g} GB GPU: python -m dtrain.planner --model {layout.config.model.model} "
+            f"--gpus {layout.world_size} --seq-len {layout.config.data.seq_len} lists layouts that fit")
+
+
 def memory_lines(layout: RunLayout) -> list[str]:
     """The predicted peak GPU memory of each pipeline stage's ranks (every rank of a stage holds
-    the same), as python -m dtrain.planner predicts it for H200-class GPUs."""
+    the same), as python -m dtrain.planner predicts it, each checked against the GPU's memory."""
     mesh_spec = layout.mesh
-    lines = ["memory per rank (predicted peak, by category in GB):"]
+    lines = [assumptions_line(layout), "memory per rank (predicted peak, by category in GB):"]
     for pp_rank, ranks in sorted(_ranks_of_pp_rank(mesh_spec).items()):
         held_by = f"{'ranks' if len(ranks) > 1 else 'rank'} {rank_ranges(tuple(ranks))}"
         label = f"pp rank {pp_rank} ({held_by})" if mesh_spec.pp > 1 else held_by
-        lines.append(f"  {label}: {memory.predict(layout, ranks[0]).lines()[0]}")
+        predicted = memory.predict(layout, ranks[0])
+        lines.append(f"  {label}: {predicted.lines()[0]}{does_not_fit(predicted.total, layout)}")
     return lines

@@ -10,7 +10,7 @@ from collections import defaultdict
 import attrs
 
 from dtrain.inspect.accounting import CollectiveTally
-from dtrain.inspect.describe import rank_ranges, stage_text
+from dtrain.inspect.describe import assumptions_line, does_not_fit, rank_ranges, stage_text
 from dtrain.inspect.roles import Role
 from dtrain.layout import RunLayout
 from dtrain.planner import memory
@@ -61,6 +61,7 @@ def header_text(layout: RunLayout, roles: list[Role]) -> str:
              + (", CPU offload" if layout.parallel.fsdp.cpu_offload else "")]
     if mesh_spec.pp > 1:
         lines.append(f"pipeline: {p.pp_schedule}, {len(counts)} stages, blocks per stage {counts}")
+    lines.append(assumptions_line(layout))
     lines.append(f"{len(roles)} role(s) of rank: ranks that differ only in their data-parallel coordinate (or in "
                  f"their tp, cp or ep coordinate where every split is even) run the same program")
     return "\n".join(lines)
@@ -105,9 +106,11 @@ def role_text(layout: RunLayout, role: Role, report: ProgramReport) -> str:
         f"ranks {rank_ranges(role.ranks)}{where} (run as rank {report.rank})",
         f"  parameters {bytes_text(report.param_bytes)}, gradients {bytes_text(report.grad_bytes)}, "
         f"optimizer state {bytes_text(report.optimizer_bytes)}" + (" (in host memory)" if offload else ""),
-        f"  peak memory {bytes_text(peak)} {why}",
-        # The memory model's figure beside the measured one: the planner ranks layouts by it.
-        f"  memory model: {memory.predict(layout, report.rank).lines()[0]}",
+        f"  peak memory, measured by this dry run: {bytes_text(peak)} {why}{does_not_fit(peak, layout)}",
+        # The memory model's figure beside the measured one: the planner ranks layouts by it, and
+        # --print-plan prints it; the two differ by what the model leaves out or rounds.
+        f"  peak memory, predicted by the planner's memory model (--print-plan): "
+        f"{memory.predict(layout, report.rank).lines()[0]}",
         "  collectives per step: mesh dim, kind, count, bytes",
     ]
     for (dim, kind), tally in sorted(report.collectives.items(), key=lambda kv: (_DIM_ORDER[kv[0][0]], kv[0][1])):

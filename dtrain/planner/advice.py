@@ -35,6 +35,15 @@ def gpu_memory_gb(config: Config) -> float:
     return DEFAULT_GPU_MEMORY_GB
 
 
+def gpu_memory_source(config: Config) -> str:
+    """Where `gpu_memory_gb` took its figure from, in words."""
+    if config.parallel.gpu_memory_gb > 0:
+        return "--gpu-memory-gb"
+    if torch.cuda.is_available():
+        return "this machine's GPU; --gpu-memory-gb to change"
+    return "no GPU here: the default; --gpu-memory-gb to change"
+
+
 def gpus_per_node() -> int:
     """torchrun's processes per node, else the GPUs this host has, else a node of 8 (the host
     memory that CPU offload may use is shared by a node's GPUs)."""
