@@ -62,9 +62,10 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_good_one(reference
             f"resuming from the one before it, {checkpoints / 'step_000009'}") in out, out[-3000:]
     assert "file .metadata does not match its checksum; resuming from the one before it" in out, out[-3000:]
     assert f"resumed from {checkpoints / 'step_000006'} at step 6" in out, out[-3000:]
-    # Set aside for inspection, so that the next restart does not try them again.
+    # Set aside for inspection, so that the next restart does not try them again; the resumed run
+    # ends with its own final checkpoint.
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000003", "step_000006", "step_000009.corrupt",
-                                                             "step_000010.corrupt"]
+                                                             "step_000010", "step_000010.corrupt"]
     assert scalars(run_dir)["train/loss"] == losses[6:]
 
 
