@@ -1,6 +1,7 @@
-"""The README's benchmark tables, rendered from the JSON lines `tools.bench` writes
-(`python -m tools.bench --table benchmarks/results.jsonl [--readme README.md]`): the newest run of
-each setup, the step breakdowns of profiled runs beside their ceilings, the FP8 recipes side by side
+"""The benchmark tables of README.md and docs/, rendered from the JSON lines `tools.bench` writes
+(`python -m tools.docs --refresh` writes every one between its markers in every page; `python -m
+tools.bench --table benchmarks/results.jsonl [--readme PAGE]` one page's): the headline rows beside
+the plain PyTorch baseline of the same call (tools/bench_page.py), the newest run of each setup, the step breakdowns of profiled runs beside their ceilings, the FP8 recipes side by side
 and their loss curves (tools/fp8_tables.py), attention sub-blocks and routed experts alone
 (benchmarks/attention.jsonl, experts.jsonl), and pipeline bubbles measured from pairs of runs
 (`--bubble`). A results file that is missing or holds a broken line is a one-line error
@@ -11,20 +12,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from dtrain.metrics import peak_flops_of
-from dtrain.planner.measured import gpu_name, read_rows, run_options, setup_key
+from dtrain.planner.measured import gpu_name, masked_run, read_rows, run_options, setup_key
 from tools import fp8_tables
 from tools.shapes import SHAPES
 
-# Where --readme writes each rendering: between its begin and end markers.
-_TABLE = "python -m tools.bench --table benchmarks/results.jsonl --readme README.md"
+# Where each rendering goes in a page: between its begin and end markers.
+_REFRESH = "python -m tools.docs --refresh"
 README_MARKERS = {
-    "table": (f"<!-- benchmark table: {_TABLE} -->", "<!-- end of benchmark table -->"),
-    "bubble": ("<!-- bubble table: python -m tools.bench --bubble benchmarks/results.jsonl --readme README.md -->",
-               "<!-- end of bubble table -->"),
-    # Written with the table, where the README has these markers.
-    **{kind: (f"<!-- {title}: {_TABLE} -->", f"<!-- end of {title} -->")
+    "table": (f"<!-- benchmark table: {_REFRESH} -->", "<!-- end of benchmark table -->"),
+    "bubble": (f"<!-- bubble table: {_REFRESH} -->", "<!-- end of bubble table -->"),
+    # Written with the table, where the page has these markers.
+    **{kind: (f"<!-- {title}: {_REFRESH} -->", f"<!-- end of {title} -->")
        for kind, title in (("breakdown", "step breakdown"), ("fp8 recipes", "fp8 recipes"), ("fp8 curves", "fp8 curves"),
-                           ("attention", "attention table"), ("experts", "experts table"))},
+                           ("attention", "attention table"), ("experts", "experts table"),
+                           ("headline", "headline table"))},
 }
 # The attention sub-blocks' rows (tools/bench_attention.py) and the experts' (tools/bench_experts.py),
 # beside the results file.
@@ -67,7 +68,7 @@ def table(path: Path) -> str:
     for r in rows:
         options = " ".join(run_options(r)) or "-"
         mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "-"
-        if _masked(r) and r.get("mfu_document_attention_pct") is not None:
+        if masked_run(r) and r.get("mfu_document_attention_pct") is not None:
             # The convention counts a masked run's attention as dense; what it attends says more.
             mfu += f" ({r['mfu_document_attention_pct']:.1f}% attended)"
         lines.append(
@@ -155,20 +156,24 @@ def experts_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def render(kind: str, results: Path) -> str:
+    """The table of marker kind `kind` from `results` (and the files beside it)."""
+    from tools import bench_page
+
+    renderers = {"table": table, "bubble": bubbles, "breakdown": breakdowns, "fp8 recipes": fp8_tables.recipes_table,
+                 "fp8 curves": lambda r: fp8_tables.curves_table(r.parent / fp8_tables.CURVES_FILE),
+                 "attention": lambda r: attention_table(r.parent / ATTENTION_FILE),
+                 "experts": lambda r: experts_table(r.parent / EXPERTS_FILE), "headline": bench_page.headline}
+    return renderers[kind](results)
+
+
 def companion_tables(readme: Path, results: Path) -> dict[str, str]:
     """The tables rendered from the same results (and the FP8 curves, attention and experts files
-    beside them) that the README has markers for, by marker kind."""
-    renderers = {"breakdown": lambda: breakdowns(results), "fp8 recipes": lambda: fp8_tables.recipes_table(results),
-                 "fp8 curves": lambda: fp8_tables.curves_table(results.parent / fp8_tables.CURVES_FILE),
-                 "attention": lambda: attention_table(results.parent / ATTENTION_FILE),
-                 "experts": lambda: experts_table(results.parent / EXPERTS_FILE)}
+    beside them) that the page has markers for, by marker kind."""
     text = readme.read_text()
-    return {kind: render() for kind, render in renderers.items() if README_MARKERS[kind][0] in text}
-
-
-def _masked(row: dict) -> bool:
-    """Whether the run attends within documents or a sliding window rather than whole causal rows."""
-    return "--document-mask" in row["args"] or any("sliding_window" in arg for arg in row["args"])
+    return {kind: render(kind, results) for kind in ("breakdown", "fp8 recipes", "fp8 curves", "attention", "experts",
+                                                     "headline")
+            if README_MARKERS[kind][0] in text}
 
 
 def bubbles(path: Path) -> str:

@@ -101,6 +101,11 @@ def gpu_name(device: str) -> str:
     return device.replace("NVIDIA ", "")
 
 
+def masked_run(row: dict) -> bool:
+    """Whether the run attends within documents or a sliding window rather than whole causal rows."""
+    return "--document-mask" in row["args"] or any("sliding_window" in arg for arg in row["args"])
+
+
 def setup_key(row: dict) -> tuple:
     """What makes two benchmark rows one setup (the README table shows the newest row of each)."""
     return (row["shape"], row["gpus"], row["mesh"], row["micro_batch"], row["global_batch"], *run_options(row))
