@@ -106,7 +106,7 @@ def test_imports_point_one_way_and_never_in_a_circle():
 
 
 ENTRY_POINTS = ["dtrain.run", "dtrain.launch", "tools.bench", "tools.bench_suite", "tools.compare_runs",
-                "tools.hf_convert", "tools.preprocess_data", "tools.restart_time"]
+                "tools.hf_convert", "tools.preprocess_data", "tools.restart_time", "tools.docs"]
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)
