@@ -59,12 +59,13 @@ def _baseline_cells(row: dict) -> tuple[str, str]:
     baseline = row.get("baseline")
     if not baseline:
         return "-", "-"
-    return f"{baseline['tokens_per_sec_per_gpu']:,.0f}", f"{row['tokens_per_sec_per_gpu'] / baseline['tokens_per_sec_per_gpu']:.2f}x"
+    plain = baseline["tokens_per_sec_per_gpu"]
+    return f"{plain:,.0f}", f"{row['tokens_per_sec_per_gpu'] / plain:.2f}x"
 
 
 def headline(results: Path) -> str:
-    lines = ["| model | GPUs | mesh | options | tokens/s/GPU | MFU | memory/GPU | plain PyTorch, same call | dtrain / plain |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | GPUs | mesh | options | tokens/s/GPU | MFU | memory/GPU | plain PyTorch, same call | "
+             "dtrain / plain |", "|---|---|---|---|---|---|---|---|---|"]
     for r in headline_rows(results):
         mfu = "-" if shown_mfu(r) is None else f"{shown_mfu(r):.1f}%" + (" attended" if masked_run(r) else "")
         options = _options(r) or "-"
@@ -86,8 +87,8 @@ def write_chart(results: Path, out: Path) -> str:
     except ImportError:
         return f"{out.name} left as it is: matplotlib is not installed (pip install -e '.[charts]')"
     rows = [r for r in headline_rows(results) if shown_mfu(r) is not None]
-    labels = [f"{r['shape']}, {r['gpus']}x {gpu_name(r['device'])}, {r['mesh']}\n" + "\n".join(textwrap.wrap(_options(r), 44, break_on_hyphens=False))
-              for r in rows]
+    labels = [f"{r['shape']}, {r['gpus']}x {gpu_name(r['device'])}, {r['mesh']}\n"
+              + "\n".join(textwrap.wrap(_options(r), 44, break_on_hyphens=False)) for r in rows]
     figure, axes = pyplot.subplots(figsize=(10, 0.75 * len(rows) + 1.2))
     positions = range(len(rows))
     axes.barh([p + 0.2 for p in positions], [shown_mfu(r) for r in rows], height=0.4, label="dtrain")

@@ -1,8 +1,9 @@
 """The benchmark tables of README.md and docs/, rendered from the JSON lines `tools.bench` writes
 (`python -m tools.docs --refresh` writes every one between its markers in every page; `python -m
 tools.bench --table benchmarks/results.jsonl [--readme PAGE]` one page's): the headline rows beside
-the plain PyTorch baseline of the same call (tools/bench_page.py), the newest run of each setup, the step breakdowns of profiled runs beside their ceilings, the FP8 recipes side by side
-and their loss curves (tools/fp8_tables.py), attention sub-blocks and routed experts alone
+the plain PyTorch baseline of the same call (tools/bench_page.py), the newest run of each setup,
+the step breakdowns of profiled runs beside their ceilings, the FP8 recipes side by side and their
+loss curves (tools/fp8_tables.py), attention sub-blocks and routed experts alone
 (benchmarks/attention.jsonl, experts.jsonl), and pipeline bubbles measured from pairs of runs
 (`--bubble`). A results file that is missing or holds a broken line is a one-line error
 (`dtrain.planner.measured.read_rows`)."""
