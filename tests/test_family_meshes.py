@@ -81,7 +81,7 @@ def test_family_matches_one_process(tmp_path, one_process, model, mesh, nproc):
 
 @pytest.mark.parametrize("model,extra,message", [
     ("tiny-gpt-oss", ["--precision", "bf16", "--fp8", "delayed", "--fp8-backend", "te", "--fp8-experts"],
-     "this model's experts have biases or gpt-oss's clamped unit; drop the flag"),
+     "this model's experts have biases or gpt-oss's clamped unit; use --fp8-backend torchao"),
     ("tiny-llama4", ["--model-overrides", "top_k=2", "--mesh", "dp=2,ep=2", "--ep-dispatch", "allgather"],
      "each of its top_k=2 experts sees it scaled by its own weight; use --ep-dispatch alltoall"),
     ("tiny-gpt-oss", ["--mesh", "cp=4", "--cp-comm", "a2a", "--seq-len", "64"],
