@@ -15,7 +15,7 @@ from tools import bench, bench_tables
 def test_cpu_run_prints_one_json_line_with_its_profile_and_ceiling(tmp_path):
     from dtrain.planner import steptime
     from tests.layouts import resolved
-    from tools.profile_breakdown import CATEGORIES
+    from dtrain.diagnose.breakdown import CATEGORIES
 
     args = ["--run-dir", str(tmp_path / "run"), "--precision", "fp32", "--seq-len", "64", "--micro-batch", "2"]
     result = run_cli(["--shape", "tiny", "--steps", "4", "--warmup", "1", "--profile", str(tmp_path / "profile"),
@@ -132,7 +132,8 @@ def test_a_loss_check_runs_in_the_baseline_checkout_too_and_is_compared(tmp_path
     out = tmp_path / "results.jsonl"
     out.touch()
     result = run_cli(["--gpus", "0", "--only", "cpu moe", "--out", str(out), "--baseline", str(REPO),
-                      "--baseline-commit", "same-code"], module="tools.bench_suite")
+                      "--baseline-commit", "same-code", "--runs-dir", str(tmp_path / "runs")],
+                     module="tools.bench_suite")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["commit"] == "same-code" for r in rows] == [False, True, False]
@@ -187,7 +188,7 @@ def test_every_suite_setup_is_a_valid_command():
 
 
 def test_breakdown_counts_overlap_once_and_gives_each_instant_to_one_category():
-    from tools.profile_breakdown import Activity, breakdown
+    from dtrain.diagnose.breakdown import Activity, breakdown
 
     # GEMMs [0, 300), element-wise [250, 400) and [600, 700), NCCL [300, 500), a memcpy [900, 1000):
     # of 1 ms, [500, 600) and [700, 900) have no kernel.
@@ -205,7 +206,7 @@ def test_breakdown_counts_overlap_once_and_gives_each_instant_to_one_category():
 
 
 def test_readme_gets_the_breakdown_of_the_newest_profiled_run_of_each_setup(tmp_path):
-    from tools.profile_breakdown import CATEGORIES
+    from dtrain.diagnose.breakdown import CATEGORIES
 
     ms = {category: float(i + 1) for i, category in enumerate(CATEGORIES)}
     busy = {**ms, "communication": 20.0}
@@ -334,7 +335,7 @@ def test_experts_table_keeps_the_newest_row_of_each_way_and_each_shape_together(
 
 
 def test_an_moe_blocks_routing_and_permutation_kernels_have_their_own_category():
-    from tools.profile_breakdown import classify
+    from dtrain.diagnose.breakdown import classify
 
     for name in ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>",
                  "void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>", "triton_poi_fused_index_mul_sum_3",

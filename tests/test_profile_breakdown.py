@@ -8,7 +8,7 @@ from torch.autograd import DeviceType
 
 from dtrain.trainer import CLIP_RANGE
 from parallel.modules import LOSS_RANGE
-from tools.profile_breakdown import breakdown, classify, profile_activities, trace_activities
+from dtrain.diagnose.breakdown import breakdown, classify, profile_activities, trace_activities
 
 # As torch.profiler (CUPTI) names them on Hopper, from cuBLAS(Lt), CUTLASS, cuDNN, torch's flash and
 # memory-efficient kernels, inductor, NCCL and ATen.
@@ -90,6 +90,9 @@ KERNELS = {
         "Memcpy HtoD (Pinned -> Device)",
         "Memcpy DtoH (Device -> Pinned)",
         "Memset (Device)",
+    ],
+    # Gathers by index outside any range: an MoE block's permutation, and a dense model's embedding lookup.
+    "routing": [
         "void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, "
         "true>(...)",
     ],

@@ -13,7 +13,7 @@ its markers, the breakdown of the newest profiled run of each setup beside its c
 
 `--profile DIR` profiles 3 steps after warm-up and writes where each rank's time went: every
 kernel in one category (GEMMs, attention, the loss, element-wise and norms, the optimizer, FSDP's
-copies, other, communication) or idle (tools/profile_breakdown.py), beside the ceiling of the
+copies, other, communication) or idle (dtrain/diagnose/breakdown.py), beside the ceiling of the
 step, its GEMMs and attention alone at the planner's rates (dtrain/planner/steptime.py). Every JSON
 line carries the ceiling; a profiled one carries rank 0's breakdown too.
 
@@ -58,7 +58,7 @@ CALL_ENV = "DTRAIN_BENCH_CALL"
 
 class Profiler:
     """Profiles PROFILED_STEPS steps after warm-up (fewer where the run ends sooner) and writes to
-    `out_dir`, per rank, where their time went (tools/profile_breakdown.py) beside the step's
+    `out_dir`, per rank, where their time went (dtrain/diagnose/breakdown.py) beside the step's
     ceiling, and the ops and kernels with the most time."""
 
     def __init__(self, out_dir: Path | None, first_step: int, ceiling=lambda: None):
@@ -84,7 +84,7 @@ class Profiler:
         """Stops the profiler after `steps` steps (all of them complete) and writes its files."""
         import torch
 
-        from tools import profile_breakdown
+        from dtrain.diagnose import breakdown as profile_breakdown
 
         if self.profiler is None:
             return

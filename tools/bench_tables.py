@@ -83,7 +83,7 @@ def table(path: Path) -> str:
 def breakdowns(path: Path) -> str:
     """Where the steps of the newest profiled run of each setup went (rank 0, ms per step and
     share of the profiled step), beside the ceiling of the setup."""
-    from tools.profile_breakdown import CATEGORIES
+    from dtrain.diagnose.breakdown import CATEGORIES
 
     rows = _newest(path, keep=lambda r: r.get("profile") is not None)
     if not rows:

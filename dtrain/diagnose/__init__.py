@@ -9,5 +9,6 @@
     ranks.py       stragglers, hangs, failures and restarts
     report.py      sections and findings, as text (under 40 lines) and JSON
     plot.py        --plot; profile.py: --profile
+    breakdown.py   where a profiled step's time went, by category (a live profile or a Chrome trace)
     __main__.py    the command line
 """

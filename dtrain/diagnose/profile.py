@@ -2,7 +2,7 @@
 
 - the summary `python -m tools.bench --profile DIR` writes (DIR/profile_rank0.json, or DIR), or
 - a trace torch.profiler exported (`prof.export_chrome_trace(PATH)`, or TensorBoard's trace
-  handler's `*.pt.trace.json`), classified as tools/profile_breakdown.py classifies a live profile.
+  handler's `*.pt.trace.json`), classified as dtrain/diagnose/breakdown.py classifies a live profile.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def load_profile(path: Path) -> dict[str, float]:
 
 
 def _trace_shares(trace: dict) -> dict[str, float]:
-    from tools import profile_breakdown
+    from dtrain.diagnose import breakdown as profile_breakdown
 
     result = profile_breakdown.breakdown(profile_breakdown.trace_activities(trace), steps=1)
     if not result.wall_us:
