@@ -123,6 +123,9 @@ def environment() -> dict:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["OMP_NUM_THREADS"] = "1"
+    # FSDP2's warning about a view returned by a wrapped module prints the interpreter's install
+    # path, which differs per machine; a page's output would never match elsewhere.
+    env["PYTHONWARNINGS"] = "ignore::UserWarning:torch.distributed.fsdp._fully_shard._fsdp_state"
     env.pop("DTRAIN_FAULT", None)
     return env
 
