@@ -1,6 +1,7 @@
-"""The one-GPU dense setups that tools.bench_suite runs as the group `dense-one-gpu`: every dense
-target of BENCHMARKS.md on one H200, each beside the plain PyTorch baseline (tools/baseline.py) of
-the same model, shape, batch and precision, timed in the same process, within one short call:
+"""The one-GPU dense setups that tools.bench_suite runs as the group `dense-one-gpu`: llama-1b,
+a 3B shape at seq 8192 and eight llama3-8b layers on one H200 with their defaults, each beside
+the plain PyTorch baseline (tools/baseline.py) of the same model, shape, batch and precision,
+timed in the same process, within one short call:
 
     python -m tools.bench_suite --group dense-one-gpu --out $OUT/results.jsonl --budget 500
 

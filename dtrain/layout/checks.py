@@ -246,7 +246,7 @@ def check_inputs(config: Config) -> None:
             raise UserError(f"{name} {path}: no such checkpoint directory")
 
 
-def check_dry_run(config: Config, model_cfg) -> None:
+def check_dry_run(config: Config) -> None:
     """What --dry-run cannot run on fake tensors yet."""
     if config.train.fp8 is not None and config.train.fp8_backend == "te":
         raise UserError("--dry-run does not run Transformer Engine's FP8 kernels (CUDA only); use "

@@ -64,7 +64,7 @@ def resolve(config: Config, world_size: int | None, machine: Machine, planned: b
     checks.check_kernels(config, model_cfg, mesh, machine, tp_overlap)
     checks.check_inputs(config)
     if p.dry_run:
-        checks.check_dry_run(config, model_cfg)
+        checks.check_dry_run(config)
     plan = Plan.build(mesh, sequence_parallel=p.sequence_parallel, num_kv_heads=model_cfg.num_kv_heads,
                       tp_overlap=tp_overlap is not None)
     parallel = ParallelLayout(
