@@ -19,7 +19,7 @@ from dtrain.checkpoint import storage as ckpt
 from dtrain.run import main
 from models.presets import get_model_config
 from tests.damage import flip_middle_bytes, same_size_garbage
-from tests.launch import REPO, TINY_ARGS, run_cli, train_scalars
+from tests.launch import REPO, TINY_ARGS, run_cli, scalars, train_scalars
 
 LOSS_RTOL = 1e-4  # another mesh: float reductions in another order
 
@@ -125,6 +125,30 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(reference, tmp_path, 
     assert "step_000006 at step 6" in result.stdout, result.stdout[-2000:]
     assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{s:06d}" for s in (2, 4, 6, 8, 10)]
     assert f"step 10/10 | loss {losses[-1]:.4f}" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint(reference, tmp_path):
+    _, losses = reference
+    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "2", "--async-checkpoint",
+            "--resume", "auto"]
+    checkpoints = tmp_path / ckpt.CHECKPOINTS
+    # Killed at the boundary of step 5, while the background save of step 4 is halfway through its shards.
+    result = run_cli(args, module="tests.workers.die_mid_save",
+                     env={"DTRAIN_TEST_DIE_WHERE": "async", "DTRAIN_TEST_DIE_AT": "4"})
+    assert result.returncode == -signal.SIGKILL, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "step  5/10" in result.stdout, result.stdout[-2000:]  # the run went on while the save was written
+    half = checkpoints / "step_000004.tmp"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002", half.name]
+    assert list(half.glob("*.distcp")) and not (half / ".metadata").exists() and not (half / ckpt.COMPLETE).exists()
+    assert _latest(tmp_path) == 2
+    result = run_cli(args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "removed incomplete checkpoints: step_000004.tmp" in result.stdout, result.stdout[-2000:]
+    assert "step_000002 at step 2" in result.stdout, result.stdout[-2000:]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{s:06d}" for s in (2, 4, 6, 8, 10)]
+    # Steps 1-2 from the killed run, 3-10 from the resumed one (TensorBoard dropped what came after 2).
+    assert scalars(tmp_path)["train/loss"] == losses
 
 
 @pytest.mark.slow
