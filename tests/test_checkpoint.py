@@ -1,6 +1,6 @@
 """Checkpoints through the CLI (CPU, gloo, fp32): exact resume on the same mesh, resharding to
-another mesh, preemption by SIGTERM, processes SIGKILLed in the middle of a save, and one-line
-errors for corrupt or incompatible checkpoints."""
+another mesh, preemption by SIGTERM or a Ctrl-C, processes SIGKILLed in the middle of a save
+(synchronous or asynchronous), and one-line errors for corrupt or incompatible checkpoints."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from dtrain.checkpoint import storage as ckpt
 from dtrain.run import main
 from models.presets import get_model_config
 from tests.damage import flip_middle_bytes, same_size_garbage
-from tests.launch import REPO, TINY_ARGS, run_cli, scalars, train_scalars
+from tests.launch import REPO, TINY_ARGS, cli_command, cli_env, run_cli, scalars, train_scalars
 
 LOSS_RTOL = 1e-4  # another mesh: float reductions in another order
 
@@ -67,9 +66,10 @@ def test_resume_reshards_single_to_dp_to_tp_to_dp_and_pp(reference, tmp_path):
     _assert_continues(pp["train/loss"], losses, 7, LOSS_RTOL, "tp=2 -> pp=2")
 
 
-def _start_cli(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "dtrain.run", *args], cwd=REPO, env=env, text=True,
+def _start_cli(args: list[str], nproc: int = 1) -> subprocess.Popen:
+    """The CLI (under torchrun for nproc > 1) in a process group of its own, as a terminal starts a
+    command: os.killpg reaches it as a Ctrl-C does."""
+    return subprocess.Popen(cli_command(args, nproc), cwd=REPO, env=cli_env(), text=True, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -95,6 +95,38 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_continues(reference, tmp_pa
     assert 2 <= stopped < 10, "".join(log)
     assert any("received SIGTERM" in line and f"at step {stopped}/10" in line for line in log), "".join(log)
     resumed = train_scalars(tmp_path / "resumed", ["--resume", str(run_dir)])
+    assert resumed["train/loss"] == losses[stopped:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one process", "torchrun"])
+def test_a_first_ctrl_c_saves_at_the_next_step_boundary_and_exits_then_resume_continues(request, tmp_path, nproc):
+    losses = request.getfixturevalue("reference")[1] if nproc == 1 else request.getfixturevalue("dp2_run")["train/loss"]
+    run_dir = tmp_path / "interrupted"
+    proc = _start_cli([*TINY_ARGS, "--run-dir", str(run_dir)], nproc)  # checkpoints off: the save is for the signal
+    log: list[str] = []
+    try:
+        assert _wait_for(proc, "step  2/10", log), "".join(log)
+        os.killpg(proc.pid, signal.SIGINT)  # what a Ctrl-C does: the terminal's foreground process group
+        log.extend(proc.stdout)
+        code, output = proc.wait(timeout=120), "".join(log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if nproc == 1:
+        assert code == 0, output
+    else:
+        # torchrun's agent hands the SIGINT on to its workers (each in a session of its own, out of
+        # the Ctrl-C's reach), waits for them and then exits 1 itself, naming the signal it got.
+        assert code == 1 and "got signal: 2" in output and "forcefully exiting" not in output, output
+    assert "dtrain: error" not in output and output.count("Traceback") == (nproc > 1), output  # torchrun's own
+    stopped = _latest(run_dir)
+    assert 2 <= stopped < 10, output
+    saved = run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_name(stopped)
+    said = [line for line in log if "received SIGINT" in line]
+    assert len(said) == 1 and f"received SIGINT: saved {saved} at step {stopped}/10 and stopped" in said[0], output
+    assert f"run stopped at step {stopped} of 10" in output and "stopped without saving" not in output, output
+    resumed = train_scalars(tmp_path / "resumed", ["--resume", str(run_dir)], nproc=nproc)
     assert resumed["train/loss"] == losses[stopped:]
 
 
