@@ -1,6 +1,6 @@
 """Checkpoints through the CLI (CPU, gloo, fp32): exact resume on the same mesh, resharding to
-another mesh, preemption by SIGTERM, processes SIGKILLed in the middle of a save, and one-line
-errors for corrupt or incompatible checkpoints."""
+another mesh, preemption by SIGTERM or a Ctrl-C, processes SIGKILLed in the middle of a save
+(synchronous or asynchronous), and one-line errors for corrupt or incompatible checkpoints."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from dtrain.checkpoint import storage as ckpt
 from dtrain.run import main
 from models.presets import get_model_config
 from tests.damage import flip_middle_bytes, same_size_garbage
-from tests.launch import REPO, TINY_ARGS, run_cli, train_scalars
+from tests.launch import REPO, TINY_ARGS, cli_command, cli_env, run_cli, scalars, train_scalars
 
 LOSS_RTOL = 1e-4  # another mesh: float reductions in another order
 
@@ -67,9 +66,10 @@ def test_resume_reshards_single_to_dp_to_tp_to_dp_and_pp(reference, tmp_path):
     _assert_continues(pp["train/loss"], losses, 7, LOSS_RTOL, "tp=2 -> pp=2")
 
 
-def _start_cli(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "dtrain.run", *args], cwd=REPO, env=env, text=True,
+def _start_cli(args: list[str], nproc: int = 1) -> subprocess.Popen:
+    """The CLI (under torchrun for nproc > 1) in a process group of its own, as a terminal starts a
+    command: os.killpg reaches it as a Ctrl-C does."""
+    return subprocess.Popen(cli_command(args, nproc), cwd=REPO, env=cli_env(), text=True, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -95,6 +95,38 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_continues(reference, tmp_pa
     assert 2 <= stopped < 10, "".join(log)
     assert any("received SIGTERM" in line and f"at step {stopped}/10" in line for line in log), "".join(log)
     resumed = train_scalars(tmp_path / "resumed", ["--resume", str(run_dir)])
+    assert resumed["train/loss"] == losses[stopped:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one process", "torchrun"])
+def test_a_first_ctrl_c_saves_at_the_next_step_boundary_and_exits_then_resume_continues(request, tmp_path, nproc):
+    losses = request.getfixturevalue("reference")[1] if nproc == 1 else request.getfixturevalue("dp2_run")["train/loss"]
+    run_dir = tmp_path / "interrupted"
+    proc = _start_cli([*TINY_ARGS, "--run-dir", str(run_dir)], nproc)  # checkpoints off: the save is for the signal
+    log: list[str] = []
+    try:
+        assert _wait_for(proc, "step  2/10", log), "".join(log)
+        os.killpg(proc.pid, signal.SIGINT)  # what a Ctrl-C does: the terminal's foreground process group
+        log.extend(proc.stdout)
+        code, output = proc.wait(timeout=120), "".join(log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if nproc == 1:
+        assert code == 0, output
+    else:
+        # torchrun's agent hands the SIGINT on to its workers (each in a session of its own, out of
+        # the Ctrl-C's reach), waits for them and then exits 1 itself, naming the signal it got.
+        assert code == 1 and "got signal: 2" in output and "forcefully exiting" not in output, output
+    assert "dtrain: error" not in output and output.count("Traceback") == (nproc > 1), output  # torchrun's own
+    stopped = _latest(run_dir)
+    assert 2 <= stopped < 10, output
+    saved = run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_name(stopped)
+    said = [line for line in log if "received SIGINT" in line]
+    assert len(said) == 1 and f"received SIGINT: saved {saved} at step {stopped}/10 and stopped" in said[0], output
+    assert f"run stopped at step {stopped} of 10" in output and "stopped without saving" not in output, output
+    resumed = train_scalars(tmp_path / "resumed", ["--resume", str(run_dir)], nproc=nproc)
     assert resumed["train/loss"] == losses[stopped:]
 
 
@@ -125,6 +157,30 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(reference, tmp_path, 
     assert "step_000006 at step 6" in result.stdout, result.stdout[-2000:]
     assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{s:06d}" for s in (2, 4, 6, 8, 10)]
     assert f"step 10/10 | loss {losses[-1]:.4f}" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint(reference, tmp_path):
+    _, losses = reference
+    args = [*TINY_ARGS, "--run-dir", str(tmp_path), "--checkpoint-every", "2", "--async-checkpoint",
+            "--resume", "auto"]
+    checkpoints = tmp_path / ckpt.CHECKPOINTS
+    # Killed at the boundary of step 5, while the background save of step 4 is halfway through its shards.
+    result = run_cli(args, module="tests.workers.die_mid_save",
+                     env={"DTRAIN_TEST_DIE_WHERE": "async", "DTRAIN_TEST_DIE_AT": "4"})
+    assert result.returncode == -signal.SIGKILL, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "step  5/10" in result.stdout, result.stdout[-2000:]  # the run went on while the save was written
+    half = checkpoints / "step_000004.tmp"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002", half.name]
+    assert list(half.glob("*.distcp")) and not (half / ".metadata").exists() and not (half / ckpt.COMPLETE).exists()
+    assert _latest(tmp_path) == 2
+    result = run_cli(args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "removed incomplete checkpoints: step_000004.tmp" in result.stdout, result.stdout[-2000:]
+    assert "step_000002 at step 2" in result.stdout, result.stdout[-2000:]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{s:06d}" for s in (2, 4, 6, 8, 10)]
+    # Steps 1-2 from the killed run, 3-10 from the resumed one (TensorBoard dropped what came after 2).
+    assert scalars(tmp_path)["train/loss"] == losses
 
 
 @pytest.mark.slow
