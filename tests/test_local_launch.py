@@ -1,0 +1,106 @@
+"""`python -m dtrain.run --nproc-per-node N`: the ranks of one machine started by dtrain itself, so
+that a failed run ends in one line per failure (the rank's own, or the launcher's for a rank that
+died without a word) and not in torchrun's report; a run that goes well, and a restart, read as
+under torchrun."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from dtrain.launch import local
+from dtrain.run import main
+from models.errors import UserError
+from tests.launch import REPO, TINY_ARGS, cli_env
+
+ARGS = [*TINY_ARGS, "--steps", "3", "--global-batch", "4"]
+
+
+def _launch(args: list[str], **env: str) -> tuple[int, str]:
+    """`python -m dtrain.run --nproc-per-node 2 ARGS`, OMP_NUM_THREADS unset as a user's shell
+    leaves it: (exit code, stdout and stderr)."""
+    environment = {key: value for key, value in cli_env(env).items() if key != "OMP_NUM_THREADS"}
+    result = subprocess.run([sys.executable, "-m", "dtrain.run", "--nproc-per-node", "2", *args], cwd=REPO,
+                            env=environment, capture_output=True, text=True, timeout=300)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _nothing_of_torchrun(output: str) -> None:
+    for text in ("Traceback", "ChildFailedError", "OMP_NUM_THREADS", "closing signal", "exitcode"):
+        assert text not in output, output[-3000:]
+
+
+@pytest.mark.parametrize("argv,launch,rest", [
+    (["--model", "tiny"], None, ["--model", "tiny"]),
+    (["--nproc-per-node", "2", "--model", "tiny"], local.Launch(2), ["--model", "tiny"]),
+    (["--model", "tiny", "--nproc_per_node=4", "--max-restarts", "3"], local.Launch(4, 3), ["--model", "tiny"]),
+])
+def test_the_launch_flags_are_taken_out_of_the_training_flags(argv, launch, rest):
+    assert local.split(argv) == (launch, rest)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc-per-node", "0"], "--nproc-per-node 0: give at least 1 rank"),
+    (["--nproc-per-node", "two"], "--nproc-per-node needs a whole number, not 'two'"),
+    (["--max-restarts", "1"], "--max-restarts restarts the ranks that --nproc-per-node N starts: give both"),
+])
+def test_a_bad_launch_flag_is_a_user_error(argv, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        local.split(argv)
+
+
+def test_a_flag_mistake_is_one_line_before_any_rank_starts(tmp_path, capsys):
+    assert main(["--nproc-per-node", "2", "--modle", "tiny", "--run-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == "dtrain: error: unknown flag --modle: did you mean --model? (python -m " \
+                                      "dtrain.run --help lists the flags)\n"
+
+
+def test_under_torchrun_the_launch_flag_is_refused_by_rank_0_alone(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["--nproc-per-node", "2", *TINY_ARGS, "--run-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("dtrain: error: --nproc-per-node starts the ranks itself") == lines, err
+
+
+@pytest.mark.slow
+def test_an_option_that_fails_on_the_ranks_is_one_line(tmp_path):
+    code, output = _launch(["--model", "tiny", "--mesh", "tp=3", "--run-dir", str(tmp_path / "run")])
+    assert code == 2, output[-3000:]
+    errors = [line for line in output.splitlines() if "dtrain: error:" in line]
+    assert errors == ["dtrain: error: --mesh 'tp=3' needs a multiple of 3 ranks but the world size is 2; change "
+                      "the mesh or the number of processes"], output[-3000:]
+    _nothing_of_torchrun(output)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_a_signal_is_named_in_one_line(tmp_path):
+    code, output = _launch([*ARGS, "--run-dir", str(tmp_path / "run")], DTRAIN_FAULT="crash@rank1:step2")
+    assert code == 128 + 9, output[-3000:]
+    said = [line for line in output.splitlines() if "SIGKILL" in line]
+    assert said == ["dtrain: error: rank 1 died with SIGKILL; the other ranks were stopped"], output[-3000:]
+    _nothing_of_torchrun(output)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_to_the_end(tmp_path):
+    run_dir = tmp_path / "run"
+    code, output = _launch([*ARGS, "--run-dir", str(run_dir)])
+    assert code == 0, output[-3000:]
+    assert "step 3/3 | loss" in output and "world 2" in output, output[-3000:]
+    _nothing_of_torchrun(output)
+
+
+@pytest.mark.slow
+def test_max_restarts_starts_every_rank_again_from_the_latest_checkpoint_in_one_line(tmp_path):
+    code, output = _launch(["--max-restarts", "1", *ARGS, "--checkpoint-every", "1", "--resume", "auto",
+                            "--run-dir", str(tmp_path / "run")], DTRAIN_FAULT="crash@rank1:step2")
+    assert code == 0, output[-3000:]
+    said = [line for line in output.splitlines() if "SIGKILL" in line]
+    assert said == ["dtrain: rank 1 died with SIGKILL; every rank starts again (restart 1 of 1)"], output[-3000:]
+    assert "resumed from" in output and "step 3/3 | loss" in output, output[-3000:]
+    _nothing_of_torchrun(output)
