@@ -87,11 +87,13 @@ def test_a_rank_killed_by_a_signal_is_named_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_train_to_the_end(tmp_path):
+def test_two_ranks_train_and_say_how_to_continue_with_the_same_launcher(tmp_path):
     run_dir = tmp_path / "run"
     code, output = _launch([*ARGS, "--run-dir", str(run_dir)])
     assert code == 0, output[-3000:]
     assert "step 3/3 | loss" in output and "world 2" in output, output[-3000:]
+    assert f"continue:    python -m dtrain.run --nproc-per-node 2 --config {run_dir / 'config.toml'} --resume " \
+           f"--steps 6" in output, output[-3000:]
     _nothing_of_torchrun(output)
 
 
