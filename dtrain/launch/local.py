@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Iterator
+from typing import Any, Iterator
 
 import attrs
 
@@ -109,7 +109,7 @@ def run_agent(launch: Launch, args: list[str]) -> int:
         with _agent_log(launch):
             torchrun.run(options)
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
+        rank, failure = _first_failure(error.failures)
         if failure.exitcode in EXPLAINED:
             return failure.exitcode  # its rank's line says why
         stopped = "; the other ranks were stopped" if launch.nproc_per_node > 1 else ""
@@ -121,6 +121,18 @@ def run_agent(launch: Launch, args: list[str]) -> int:
         # Ctrl-C or SIGTERM here: the ranks were passed the signal, and rank 0 says what they did.
         return 128 + int(error.sigval)
     return 0
+
+
+def _first_failure(failures: dict) -> tuple[int, Any]:
+    """(rank, ProcessFailure) of the failure that came first. The agent times failures to the
+    second; of several in the same second, a rank that died unexplained goes first (its peers fail
+    with lines about losing it, not the other way round), then one that said why, then one that
+    the agent's own SIGTERM stopped; of equals, the one the agent saw first."""
+    def order(item):
+        code = item[1].exitcode
+        return item[1].timestamp, 2 if code == -signal.SIGTERM else 1 if code in EXPLAINED else 0
+
+    return min(failures.items(), key=order)
 
 
 def _ended(rank: int, exitcode: int) -> str:
@@ -136,7 +148,7 @@ def _ended(rank: int, exitcode: int) -> str:
 class _AgentLines(logging.Filter):
     """torch's agent lines, kept to what the user needs: its notices of stopping the other ranks
     and its line for the rank that failed are dropped (the ranks' own lines, or this module's,
-    say it), and a restart is one line that names the rank that caused it."""
+    say it), and a restart is one line, which names a rank that died without a word."""
 
     def __init__(self, shown_level: int):
         super().__init__()
@@ -151,8 +163,10 @@ class _AgentLines(logging.Filter):
             return False
         if text.startswith(_RESTARTING) and isinstance(record.args, tuple) and len(record.args) == 4:
             _, _, left, total = record.args
-            cause = _ended(*self.failure) if self.failure else "a rank failed"
-            print(f"dtrain: {cause}; every rank starts again (restart {total - left + 1} of {total})",
+            # A rank that said why needs no more words (the agent names the one it saw first).
+            unexplained = self.failure is not None and self.failure[1] not in EXPLAINED
+            cause = f"{_ended(*self.failure)}; " if unexplained else ""
+            print(f"dtrain: {cause}every rank starts again (restart {total - left + 1} of {total})",
                   file=sys.stderr, flush=True)
             return False
         return text not in _STOPPING and record.levelno >= self.shown_level
