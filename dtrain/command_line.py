@@ -1,6 +1,6 @@
 """How `python -m dtrain.run`'s flags read: `--help` in sections by task (the TOML tables stay the
-config's groups), a mistyped flag answered in one line with the flag it was close to, and
-`--list-models`."""
+config's groups), a mistyped flag answered in one line with the flag it was close to,
+`--list-models`, and the launch flags that start the ranks of one machine."""
 
 from __future__ import annotations
 
@@ -9,12 +9,23 @@ import difflib
 
 from models.errors import UserError
 
+# `python -m dtrain.run`'s own flags, read by dtrain.launch.local before the training config
+# (which never holds them): flag -> (metavar, help).
+LAUNCH_FLAGS = {
+    "--nproc-per-node": ("N", "start N ranks on this machine and watch them: a failed run ends in one line "
+                              "(torchrun --nproc_per_node N -m dtrain.run works too, with torchrun's own report)"),
+    "--max-restarts": ("R", "with --nproc-per-node: times every rank starts again after one fails (with --resume "
+                            "auto, from the latest checkpoint); default 0"),
+}
+LAUNCH_SECTION = "launch (the ranks of one machine)"
+
 # --help's sections in order; a field is in its config group's section (`DEFAULT_SECTION`) unless
 # listed here.
 SECTIONS = {
     "model": ("model", "model_overrides", "init_from_hf"),
     "training": ("steps", "seed", "compile", "recompute", "recompute_layers", "attention_kernel",
                  "fuse_projections", "loss_chunk_tokens"),
+    LAUNCH_SECTION: (),
     "parallel": (),
     "precision": ("precision", "fp8", "fp8_backend", "fp8_amax_history", "fp8_keep_ends", "fp8_head",
                   "fp8_experts", "fp8_all_gather"),

@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="TOML file with [model], [parallel], [data], [optim], [train] tables")
     parser.add_argument("--list-models", action=command_line.ListModels)
     sections = {name: parser.add_argument_group(name) for name in command_line.SECTIONS}
+    for flag, (metavar, help) in command_line.LAUNCH_FLAGS.items():
+        sections[command_line.LAUNCH_SECTION].add_argument(flag, metavar=metavar, type=int, help=help,
+                                                           default=argparse.SUPPRESS)
     for group_name, group_cls in GROUPS.items():
         for field in attrs.fields(group_cls):
             # The default shown by --help; load_config parses with SUPPRESS so that only the flags
@@ -254,6 +257,8 @@ def load_config(argv: list[str] | None = None) -> Config:
         if action.dest.count(".") == 1:
             action.default = argparse.SUPPRESS
     args = vars(parser.parse_args(argv))
+    for flag in command_line.LAUNCH_FLAGS:
+        args.pop(flag[2:].replace("-", "_"), None)  # how the ranks start, not how they train
     values: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
     config_path = args.pop("config", None)
     if config_path:

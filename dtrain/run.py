@@ -1,5 +1,5 @@
-"""`python -m dtrain.run` (plain, or under torchrun): train, print the sharding plan, or dry-run
-every distinct rank of a world of any size."""
+"""`python -m dtrain.run` (plain, with --nproc-per-node N for the ranks of one machine, or under
+torchrun): train, print the sharding plan, or dry-run every distinct rank of a world of any size."""
 
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ from models.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from dtrain.launch import local
+
+    launched = local.main(argv)  # --nproc-per-node N: this process starts the ranks and watches them
+    if launched is not None:
+        return launched
     if "TORCHELASTIC_RUN_ID" in os.environ:
         from dtrain.resilience.parent import die_with_parent
 
@@ -91,7 +97,7 @@ def _log_to_stderr() -> None:
 
 
 def _check_launched(mesh: str) -> None:
-    """A mesh of several ranks in one plain process: the user meant torchrun, or a dry run."""
+    """A mesh of several ranks in one plain process: the user meant --nproc-per-node, or a dry run."""
     from dtrain import distributed
     from parallel.mesh import MeshSpec
 
@@ -99,8 +105,8 @@ def _check_launched(mesh: str) -> None:
         return
     ranks = MeshSpec.parse(mesh, None).world_size
     if ranks > 1:
-        raise UserError(f"--mesh {mesh} spans {ranks} ranks but this is one process: start it with torchrun "
-                        f"--nproc_per_node {ranks} -m dtrain.run ..., or check the layout on this machine with "
+        raise UserError(f"--mesh {mesh} spans {ranks} ranks but this is one process: start them with python -m "
+                        f"dtrain.run --nproc-per-node {ranks} ..., or check the layout on this machine with "
                         f"--dry-run (every rank's memory and collectives) or --print-plan")
 
 

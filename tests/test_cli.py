@@ -9,8 +9,8 @@ BAD_INPUTS = [
     (["--mesh", "tq=2"], "bad mesh entry 'tq=2'"),
     (["--mesh", "tp=0"], "tp=0 must be >= 1"),
     (["--mesh", "dp=-2"], "dp_shard=-2 must be >= 1"),
-    (["--mesh", "dp=2"], "--mesh dp=2 spans 2 ranks but this is one process: start it with torchrun "
-                         "--nproc_per_node 2 -m dtrain.run ..., or check the layout on this machine with --dry-run"),
+    (["--mesh", "dp=2"], "--mesh dp=2 spans 2 ranks but this is one process: start them with python -m dtrain.run "
+                         "--nproc-per-node 2 ..., or check the layout on this machine with --dry-run"),
     (["--mesh", "tp=3", "--print-plan"], "num_heads=4, not divisible by tp=3"),
     (["--global-batch", "7"], "--global-batch 7 is not divisible by --micro-batch 2"),
     (["--seq-len", "0"], "--seq-len 0 must be >= 1"),

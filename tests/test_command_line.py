@@ -63,11 +63,11 @@ def test_list_models_prints_every_preset_with_its_family_and_size(capsys):
     assert rows["mixtral-8x7b"] == ["Mixtral", "46.7B", "12.9B"]  # the published 46.7B total, 12.9B active
 
 
-def test_a_multi_rank_mesh_in_one_process_names_torchrun_and_the_dry_run(tmp_path, capsys):
+def test_a_multi_rank_mesh_in_one_process_names_the_launch_flag_and_the_dry_run(tmp_path, capsys):
     assert main([*TINY_ARGS, "--run-dir", str(tmp_path / "run"), "--mesh", "tp=2,pp=2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("dtrain: error: --mesh tp=2,pp=2 spans 4 ranks but this is one process: start it with torchrun "
-                   "--nproc_per_node 4 -m dtrain.run ..., or check the layout on this machine with --dry-run "
+    assert err == ("dtrain: error: --mesh tp=2,pp=2 spans 4 ranks but this is one process: start them with python "
+                   "-m dtrain.run --nproc-per-node 4 ..., or check the layout on this machine with --dry-run "
                    "(every rank's memory and collectives) or --print-plan"), err
 
 

@@ -99,7 +99,7 @@ def test_json_lists_candidates_best_first_with_the_named_keys(capsys):
         assert key in candidates[0]
     assert [c["tokens_per_sec_per_gpu"] for c in candidates] == sorted((c["tokens_per_sec_per_gpu"] for c in candidates),
                                                                         reverse=True)
-    assert candidates[0]["command"].startswith("torchrun --nnodes 1 --nproc_per_node 8 -m dtrain.run --model llama3-8b")
+    assert candidates[0]["command"].startswith("python -m dtrain.run --nproc-per-node 8 --model llama3-8b")
 
 
 def test_a_model_that_fits_nowhere_gets_one_line_naming_what_would(capsys):

@@ -101,9 +101,11 @@ class Candidate:
     def command(self) -> str:
         nodes = max(1, self.gpus // self.gpus_per_node)
         per_node = min(self.gpus, self.gpus_per_node)
-        launch = f"torchrun --nnodes {nodes} --nproc_per_node {per_node}" + (
-            " --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500" if nodes > 1 else "")
-        return f"{launch} -m dtrain.run {' '.join(run_flags(self.config))}"
+        flags = " ".join(run_flags(self.config))
+        if nodes > 1:
+            return (f"torchrun --nnodes {nodes} --nproc_per_node {per_node} --rdzv-backend c10d --rdzv-endpoint "
+                    f"$HEAD_NODE:29500 -m dtrain.run {flags}")
+        return f"python -m dtrain.run {f'--nproc-per-node {per_node} ' if per_node > 1 else ''}{flags}"
 
     def as_json(self) -> dict:
         p, t = self.config.parallel, self.config.train
