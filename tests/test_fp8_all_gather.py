@@ -189,7 +189,7 @@ def test_after_optimizer_step_is_a_no_op_without_float8_gathered_weights(two_fak
 def _two_rank_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """Scales from the one all-reduce match each weight's global amax on every rank; a checkpoint
     of float8-gathered weights loads into bf16-gathered ones and back (DCP sees plain values)."""
-    from dtrain.checkpoint import storage as ckpt
+    from dtrain.checkpoint import train_state
     from dtrain.config import OptimArgs
     from dtrain.optim import build_optimizer
 
@@ -231,10 +231,10 @@ def _two_rank_worker(rank: int, world_size: int, init_file: str, out_dir: str) -
         root = Path(out_dir)
         for saved_float8, path in ((True, root / "from_float8"), (False, root / "from_bf16")):
             source, source_opt = (model, optimizer) if saved_float8 else build(False, 1)
-            ckpt.save_train_state(source, source_opt, path, rank=rank)
+            train_state.save_train_state(source, source_opt, path, rank=rank)
             target, target_opt = build(not saved_float8, 2)
             expected, before = shards(source, source_opt), shards(target, target_opt)
-            ckpt.load_train_state(target, target_opt, path, rank=rank, has_optim=True)
+            train_state.load_train_state(target, target_opt, path, rank=rank, has_optim=True)
             loaded = shards(target, target_opt)
             results[path.name] = {
                 "differed_before": sum(not torch.equal(expected[n], before[n]) for n in expected),

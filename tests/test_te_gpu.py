@@ -202,7 +202,7 @@ def test_fp8_state_round_trips_through_a_checkpoint(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from dtrain import distributed
-    from dtrain.checkpoint import storage
+    from dtrain.checkpoint import train_state
     from dtrain.layout import Machine
     from dtrain.trainer import Trainer
     from tests.layouts import resolved
@@ -211,7 +211,7 @@ def test_fp8_state_round_trips_through_a_checkpoint(tmp_path):
     checkpoint = tmp_path / "a" / "checkpoints" / "step_000005"
     names = [k[len("fp8."):] for k in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
              if k.startswith("fp8.")]
-    saved = storage.load_fp8_state(checkpoint, names)
+    saved = train_state.load_fp8_state(checkpoint, names)
     assert any(v.abs().sum() > 0 for k, v in saved.items() if k.endswith("amax_history"))
     layout = resolved([*SMALL, "--global-batch", "4", *TE_DELAYED, "--steps", "10", "--run-dir", str(tmp_path / "b"),
                        "--resume", str(checkpoint)], machine=Machine.detect())

@@ -255,11 +255,11 @@ def test_fused_projections_run_one_te_matmul_for_qkv_and_one_for_gate_and_up(tmp
 def _fp8_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint import FileSystemReader
 
-    from dtrain.checkpoint import storage
+    from dtrain.checkpoint import train_state
 
     names = [key[len("fp8."):] for key in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
              if key.startswith("fp8.")]
-    return storage.load_fp8_state(checkpoint, names)
+    return train_state.load_fp8_state(checkpoint, names)
 
 
 def test_delayed_scaling_state_is_checkpointed_and_resumed_bit_exactly(tmp_path, monkeypatch):
@@ -274,9 +274,9 @@ def test_delayed_scaling_state_is_checkpointed_and_resumed_bit_exactly(tmp_path,
         final_a, final_b = (_fp8_state(tmp_path / run / "checkpoints" / "step_000002") for run in "ab")
         assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
         # Without its FP8 state the same resume computes other losses: the state is what kept them.
-        from dtrain.checkpoint import storage
+        from dtrain.checkpoint import train_state
 
-        monkeypatch.setattr(storage, "load_fp8_state", lambda path, names: {})
+        monkeypatch.setattr(train_state, "load_fp8_state", lambda path, names: {})
         fresh = _losses(_train(tmp_path / "c", resume, steps=2))
         assert fresh[0] != reference[1]
 

@@ -1,7 +1,8 @@
 """When a run saves and what it starts from: periodic, final and preemption checkpoints, resume on
 any mesh (falling back from a corrupt checkpoint to the newest good one), and initial weights from
 a Hugging Face checkpoint. The format and the commit protocol live in `dtrain.checkpoint.storage`,
-the checksums in `integrity`, what a resumed run keeps of its flags in `resume`."""
+a rank's share of the state in `train_state`, the checksums in `integrity`, what a resumed run keeps
+of its flags in `resume`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from dtrain.checkpoint import integrity, resume
 from dtrain.checkpoint import storage as ckpt
+from dtrain.checkpoint import train_state
 from dtrain.config import to_toml
 from dtrain.distributed import Runtime
 from dtrain.layout import RunLayout
@@ -63,7 +65,7 @@ class Checkpointer:
         # Hashes the files of a background save once it is written, off the training thread.
         self.hasher = concurrent.futures.ThreadPoolExecutor(1, "dtrain-checksum") if self.async_group else None
         # With pipelining a rank holds several stages; a checkpoint sees them as one model.
-        self.model = ckpt.as_one_module(model_parts)
+        self.model = train_state.as_one_module(model_parts)
 
     # ---- start of a run -------------------------------------------------------------------
 
@@ -212,9 +214,9 @@ class Checkpointer:
                         path)
         configured = resume.hyperparameters(self.optimizer)
         try:
-            ckpt.load_train_state(self.model, self.optimizer, path, rank=self.rank, has_optim=has_optim)
+            train_state.load_train_state(self.model, self.optimizer, path, rank=self.rank, has_optim=has_optim)
             if self.fp8_scaling is not None:
-                self.fp8_scaling.load_state_dict(ckpt.load_fp8_state(path, list(self.fp8_scaling.layer_shapes())))
+                self.fp8_scaling.load_state_dict(train_state.load_fp8_state(path, list(self.fp8_scaling.layer_shapes())))
         except UserError as problem:  # damage, or a refusal (a file that is not plain data)
             error = problem
         resume.agree(error)
@@ -350,7 +352,7 @@ class Checkpointer:
         started = time.perf_counter()
         use_async = self.async_group is not None and not wait
         try:
-            written = ckpt.save_train_state(self.model, self.optimizer, tmp, rank=self.rank,
+            written = train_state.save_train_state(self.model, self.optimizer, tmp, rank=self.rank,
                                             async_group=self.async_group if use_async else None,
                                             fp8_state=self.fp8_scaling.state_dict() if self.fp8_scaling else None)
         except (Exception, dcp.api.CheckpointException) as error:  # DCP's is a BaseException
@@ -400,7 +402,7 @@ class Checkpointer:
                 ckpt.commit(p.tmp, p.final, {**p.meta, "files": integrity.manifest(p.tmp, gathered)})
                 ckpt.prune(self.root, self.keep_last)
             except OSError as error:
-                problem = self._space_problem(p.step, p.tmp, error) or (
+                problem = ckpt.space_problem(self.root, p.step, p.tmp, error, remove=self.is_main) or (
                     f"committing the checkpoint of step {p.step} failed: {type(error).__name__}: {error}")
         problem = ckpt.broadcast_from_main(problem)
         if problem is not None:
@@ -411,16 +413,6 @@ class Checkpointer:
     def _check_space(self, step: int, tmp: Path, error: BaseException) -> None:
         """A save that failed for want of space becomes one line, with the failed save removed (its
         space lets the failure be recorded, and a restart finds no leftover); others pass through."""
-        problem = self._space_problem(step, tmp, error)
+        problem = ckpt.space_problem(self.root, step, tmp, error, remove=self.is_main)
         if problem is not None:
             raise UserError(problem) from None
-
-    def _space_problem(self, step: int, tmp: Path, error: BaseException) -> str | None:
-        if not integrity.out_of_space(self.root, error):
-            return None
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        found = ckpt.valid_checkpoints(self.root)
-        kept = f"{found[-1][1].name} stays the latest" if found else "there is no earlier checkpoint"
-        return (f"the checkpoint of step {step} could not be written: no space is left on the device of {self.root}; "
-                f"{kept}: free space there (or keep fewer with --keep-last), then continue with --resume")
