@@ -141,7 +141,7 @@ def _attention_with_sinks(q, k, v, sinks, allowed: torch.Tensor | None, scale: f
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `grouped_swiglu` can use torch's grouped GEMM kernel for these tensors.
 
-    CUDA only: the CPU kernel is correct (tests/test_moe.py) but CPU runs are small and the
+    CUDA only: the CPU kernel is correct (tests/unit/test_moe.py) but CPU runs are small and the
     loop is the simpler path there. Fake tensors (a dry run, which runs a GPU's program without
     data) take the kernel too: the loop reads the row counts, which they do not hold. The CUDA
     kernel wants 16-byte aligned rows, which for every dtype here means embed and mlp widths

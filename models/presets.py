@@ -44,7 +44,7 @@ PRESETS: dict[str, LlamaConfig | MoEConfig] = {
         vocab_size=128256, rope_scaling=_LLAMA3_ROPE,
     ),
     # Mixture-of-experts shapes. Total / active parameter counts (embeddings included) are
-    # checked in tests/test_moe.py.
+    # checked in tests/unit/test_moe.py.
     # CPU tests: 10 steps take seconds. The vocabulary matches the bundled tokenizer.
     "tiny-moe": MoEConfig(
         dim=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=2048,
@@ -75,7 +75,7 @@ PRESETS: dict[str, LlamaConfig | MoEConfig] = {
         norm_eps=1e-6,
     ),
     # DeepSeek family: Multi-head Latent Attention, fine-grained and shared experts, group-limited
-    # routing, multi-token prediction. Parameter counts are checked in tests/test_deepseek.py.
+    # routing, multi-token prediction. Parameter counts are checked in tests/unit/test_deepseek.py.
     # CPU tests: every DeepSeek feature at the tiny scale (YaRN included, so that the softmax scale
     # is not the default one); the vocabulary matches the bundled tokenizer.
     "tiny-mla": DeepSeekConfig(
@@ -146,7 +146,7 @@ PRESETS: dict[str, LlamaConfig | MoEConfig] = {
     ),
     # gpt-oss: attention sinks and biases, windows of 128 on even layers, biased experts with the
     # clamped SwiGLU. CPU tests: every part at the tiny scale (heads twice dim wide, a window of 16),
-    # the vocabulary the bundled tokenizer's, gpt-oss's YaRN. Parameter counts in tests/test_family_presets.py.
+    # the vocabulary the bundled tokenizer's, gpt-oss's YaRN. Parameter counts in tests/unit/test_family_presets.py.
     "tiny-gpt-oss": GptOssConfig(
         dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=2048,
         num_experts=8, top_k=2, expert_ffn_dim=64, aux_loss_coef=0.001, layer_pattern="window-full",
@@ -164,7 +164,7 @@ PRESETS: dict[str, LlamaConfig | MoEConfig] = {
     ),
     # Llama 4 (text): chunked attention on RoPE layers, every fourth layer NoPE, sigmoid top-1
     # experts beside a shared one. CPU tests: chunks of 16, the temperature from position 31 on,
-    # Scout's RoPE scaling, the bundled tokenizer's vocabulary. Counts in tests/test_family_presets.py.
+    # Scout's RoPE scaling, the bundled tokenizer's vocabulary. Counts in tests/unit/test_family_presets.py.
     # Dense and MoE blocks alternating (Maverick's), with Scout's qk-norm.
     "tiny-llama4": Llama4Config(
         dim=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=2048, num_experts=4,

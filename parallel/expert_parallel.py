@@ -31,7 +31,7 @@ no more when routing is uneven. Every rank must hold the same number of tokens.
 
 The collectives (parallel/collectives.py) have finished when they return, one at a time: gloo
 runs them on worker threads, and runs that left several in flight at once crashed now and then
-(SIGSEGV; tests/test_collective_stress.py repeats them).
+(SIGSEGV; tests/integration/test_collective_stress.py repeats them).
 
 Backward is plain autograd through the differentiable collectives and the permutations, so a
 local expert's weight gradient sums the contributions of every rank's tokens routed to it: the

@@ -23,7 +23,7 @@ each), and nothing is cached across micro-batches.
 Where no FP8 grouped GEMM runs (CPUs, fake tensors of a dry run, GPUs before compute capability
 8.9) the same casts are emulated: each operand is rounded to float8 with its scales and back,
 then multiplied by torch's grouped GEMM, which gives the FP8 GEMMs' products up to accumulation
-order (tests/test_fp8_experts.py; tests/test_moe_gpu.py compares the two on a GPU).
+order (tests/unit/test_fp8_experts.py; tests/unit/test_moe_gpu.py compares the two on a GPU).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every fenced block of commands or code names where it can run in its info string, after the
 language:
 
-    ```bash cpu                 runs on a CPU: the doc test runs it (tests/test_docs.py)
+    ```bash cpu                 runs on a CPU: the doc test runs it (tests/unit/test_docs.py)
     ```bash gpu                 needs GPUs
     ```bash cluster             needs several nodes or a scheduler
     ```bash install             changes the Python environment (checked against pyproject.toml)

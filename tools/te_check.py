@@ -5,7 +5,7 @@ which points TE at torch's cuDNN, before python starts):
     python -m tools.te_check                                  # all three phases
     python -m tools.te_check --phase bench --only llama-1b    # one phase, some setups
 
-tests   python -m pytest -m gpu tests/test_te_gpu.py
+tests   python -m pytest -m gpu tests/integration/test_te_gpu.py
 bench   per setup, bf16, torchao FP8 and TE FP8 one after another (tools.bench_suite setups, appended
         to --out); prints tok/s/GPU and TE's ratio to torchao's (the target: at least 1)
 curves  --curve-steps steps of llama-1b on the bundled corpus in bf16 (twice, the same seed), torchao
@@ -64,8 +64,8 @@ def check_te_imports() -> None:
 
 
 def run_tests() -> bool:
-    print("== tests: python -m pytest -m gpu tests/test_te_gpu.py", flush=True)
-    return subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests/test_te_gpu.py"]).returncode == 0
+    print("== tests: python -m pytest -m gpu tests/integration/test_te_gpu.py", flush=True)
+    return subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests/integration/test_te_gpu.py"]).returncode == 0
 
 
 def run_bench(only: list[str], out: Path, budget: float) -> bool:

@@ -1,7 +1,7 @@
 """Bytes that autograd keeps from a block's forward until its backward, per micro-batch on one rank.
 
 Each term names a tensor the backward reads. The lists follow what autograd saves for dtrain's
-blocks (tests/test_memory_model.py counts them on the CPU through saved-tensor hooks): compiled
+blocks (tests/unit/test_memory_model.py counts them on the CPU through saved-tensor hooks): compiled
 blocks save the matmul and attention inputs and recompute norms and RoPE; selective recompute
 keeps only the outputs of matmuls, attention and collectives; full recompute keeps the block
 input and recomputes the rest, one block at a time, in backward.

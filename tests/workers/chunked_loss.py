@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_linear_cross_entropy.py: `python -m tests.workers.chunked_loss
+"""Run under torchrun by tests/integration/test_linear_cross_entropy.py: `python -m tests.workers.chunked_loss
 DTRAIN_ARGS...` trains with the given flags (a tp mesh and --loss-chunk-tokens N) and fails unless
 every loss of the head went through the chunked vocabulary-parallel path, on all the rank's tokens
 and its vocabulary slice (never the logits of all tokens), or if torch.compile compiled any

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_data_parallel.py: `python -m tests.workers.count_grad_reductions
+"""Run under torchrun by tests/integration/test_data_parallel.py: `python -m tests.workers.count_grad_reductions
 DTRAIN_ARGS...` trains with the given flags and counts FSDP's gradient reductions (one per FSDP
 group per reducing backward) and parameter all-gathers. Rank 0 prints one line
 `GRAD_REDUCTIONS n ALL_GATHERS m`."""

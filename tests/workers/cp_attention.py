@@ -1,4 +1,4 @@
-"""Spawned by tests/test_context_parallel_attention.py: each of cp ranks (gloo on CPU, NCCL when run
+"""Spawned by tests/integration/test_context_parallel_attention.py: each of cp ranks (gloo on CPU, NCCL when run
 by hand on GPUs) runs every case and method of context-parallel attention, compares its output and
 dq/dk/dv with the matching rows of full causal attention of the unsplit sequence (every rank computes
 that reference from the same seeded data), and writes the relative errors to rank<r>.json."""

@@ -1,4 +1,4 @@
-"""Spawned by tests/test_expert_parallel.py as 4 gloo ranks, which form one ep=4 group and two ep=2
+"""Spawned by tests/integration/test_expert_parallel.py as 4 gloo ranks, which form one ep=4 group and two ep=2
 groups ({0, 1} and {2, 3}). In each group every rank runs every case of the expert-parallel
 `experts` seam on its own tokens and its block of experts, compares the output,
 d(x) and the gradients of its local expert weights with a single-process reference over every

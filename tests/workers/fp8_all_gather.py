@@ -1,4 +1,4 @@
-"""Run under torchrun (NCCL, 2 GPUs) by tests/test_fp8_all_gather.py: `python -m
+"""Run under torchrun (NCCL, 2 GPUs) by tests/integration/test_fp8_all_gather.py: `python -m
 tests.workers.fp8_all_gather LABEL DTRAIN_ARGS...` trains with the given flags and records what
 the FP8 matmuls received (float8 weights from the all-gather, or bf16 ones) and, after each
 optimizer step, whether the precomputed scales of the float8-gathered weights match their global
