@@ -91,6 +91,14 @@ class ModelContext(Protocol):
         None, and the caller sorts rows by expert and calls `experts`. `biases`, `glu` as `experts`."""
 
 
+def _fake_and_eager(t: torch.Tensor) -> bool:
+    """Whether `t` is a fake tensor outside torch.compile: a dry run's, which stands for a GPU's
+    program (its blocks run eagerly). Dynamo does not trace torch's `is_fake`: called in a compiled
+    block it would break the graph, and under selective recompute send the whole checkpointed block
+    back to eager; a compiled block's tensors hold real data, so there it is False, unasked."""
+    return not torch.compiler.is_compiling() and is_fake(t)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: AttentionMask | None = None, scale: float | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,7 +115,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _attention_with_sinks(q, k, v, sinks, dense, scale)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = k.shape[1] != q.shape[1]
-    if dense is None and is_fake(q) and v.shape[-1] < q.shape[-1]:
+    if dense is None and _fake_and_eager(q) and v.shape[-1] < q.shape[-1]:
         # Fake tensors (`--dry-run`) stand for the GPUs' fused kernels, which keep no scores; the
         # CPU's fused kernel wants v as wide as q (MLA's is narrower), else the math path keeps
         # every score: v is padded and the output cut back.
@@ -149,7 +157,7 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """
     return (
         hasattr(F, "grouped_mm")
-        and (x.is_cuda or is_fake(x))
+        and (x.is_cuda or _fake_and_eager(x))
         and x.dtype in (torch.bfloat16, torch.float32)
         and all(w.dtype == x.dtype for w in weights)
         and all(size % 8 == 0 for w in weights for size in w.shape[1:])

@@ -180,14 +180,24 @@ def _moe_per_token(work: Workload, mode: str, compiled: bool, b: int) -> float:
         exchanged = 2 * b * k * d if work.ep_dispatch == "alltoall" else 0.0
         return router + b * rows * (2 * f + d) + exchanged + b * 2 * shared
     if not compiled:
-        # Eager keeps the router's probabilities, top-k and sort indices, the block's input once
-        # and each routed row, all four SwiGLU tensors of a row, and the combine's fp32 rows (gathered
-        # back to slot order, then weighted).
-        router = 12 * experts + 32 * k + 12
-        # gpt-oss's clamped unit keeps the clamps' inputs and one more product: 7 tensors of a row, not 4.
+        # Eager, per token: the norm's fp32 input, its output before the weight (the weight's
+        # gradient reads it) and its statistic; the router's fp32 input (its gradient reads it), its
+        # fp32 logits (the z-loss's logsumexp keeps them and its result) and probabilities, and the
+        # renormalization's sum and clamp; and the router's weight in fp32, once per block.
+        norm = 4 * d + b * d + 4
+        routing = 4 * d + 8 * experts + 4 + 8 + 4 * experts * d / (work.tokens / work.mesh_spec.tp)
+        # Per slot: the top-k expert id (the weights' gather keeps it), the gathered weight and the
+        # renormalized one, the slot's token (the rows' gather) and the slot's row (the combine's
+        # gather); under the all-to-all, two more int64 positions of each received row (into
+        # expert order and back).
+        per_slot = 8 + 4 + 4 + 8 + 8 + (16 if work.ep_dispatch == "alltoall" else 0)
+        # Per routed row: its input (the gate and up GEMMs keep it), the SwiGLU's gate, up, activated
+        # gate and product (gpt-oss's clamped unit keeps the clamps' inputs and one more product: 7,
+        # not 4), and the expert's output in fp32, which the routing weight multiplies; where the
+        # weight scales the input instead (Llama 4), the input before that product, and no fp32 row.
         unit = 7 if cfg.expert_glu is not None else 4
-        return (4 * d + router + b * d + b * rows * (d + unit * f) + 4 * k * d
-                + (b * (d + 4 * shared) if shared else 0.0))
+        per_row = b * d + unit * b * f + (b * d if cfg.scale_expert_inputs else 4 * d)
+        return norm + routing + k * per_slot + rows * per_row + (b * (d + 4 * shared) if shared else 0.0)
     return 4 * d + router + b * rows * (2 * d + 3 * f) + (b * (d + 3 * shared) if shared else 0.0)
 
 

@@ -39,14 +39,13 @@ def _dry_run(model: str, overrides: str):
     return layout, results
 
 
-# The routed rows and the block's other saved tensors as the model counts them eagerly; DeepSeek's
-# MLA attention saves a few more tensors eagerly than the model's attention terms count (its
-# compiled GPU row is within 2%): 12% on its dense blocks, 5% on its MoE blocks.
-@pytest.mark.parametrize("shape,activation_tolerance", [
-    pytest.param(MIXTRAL_LIKE, 0.01, marks=pytest.mark.xfail(
-        reason="the eager combine's count went from two fp32 copies of the routed rows to one, and the dry run "
-               "holds 3% more than that: which of the two is right at this shape is open", strict=False)),
-    (DEEPSEEK_LIKE, 0.13)],
+# The MoE terms (router, routed rows, the dispatch's indices) are what the dry run holds to within
+# the balancing loss's few vectors of num_experts; the rest of the gap is the eager attention terms
+# dense blocks share, which count the attention output twice where the CPU kernel's output is the
+# projection's input as it is, and leave out RoPE's tables cast per block: +0.9% at Mixtral's shape.
+# DeepSeek's MLA attention saves a few more tensors eagerly than the model's attention terms count
+# (its compiled GPU row is within 2%): 10.8% under on its dense blocks, 3.2% on its MoE blocks.
+@pytest.mark.parametrize("shape,activation_tolerance", [(MIXTRAL_LIKE, 0.01), (DEEPSEEK_LIKE, 0.11)],
                          ids=["mixtral-like", "deepseek-like"])
 def test_the_moe_terms_of_the_memory_model_are_what_the_dry_run_holds_and_sends(shape, activation_tolerance):
     if dist.is_initialized():

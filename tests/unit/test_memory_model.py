@@ -65,10 +65,7 @@ CASES = [
     # held to the GPU rows (the test after this one) instead.
     ("tiny", SMALL, [], "none"),
     ("tiny", SMALL, ["--compile"], "none"),
-    pytest.param("tiny", SMALL, ["--compile", "--recompute", "selective"], "selective", marks=pytest.mark.xfail(
-        reason="the compiled selective block saves 131,072 bytes where the model counts 1,642,496 since the MoE "
-               "changes (FP8 grouped experts, folding) joined the dense defaults: what stopped being saved is open",
-        strict=False)),
+    ("tiny", SMALL, ["--compile", "--recompute", "selective"], "selective"),
     ("tiny-moe", SMALL_MOE, [], "none"),
     # Qwen3's qk-norm, with heads twice dim wide; gpt-oss's biases and clamped experts (without its
     # sinks: their CPU form is the math reference, not the fused kernels the model counts); Llama 4's

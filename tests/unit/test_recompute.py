@@ -108,3 +108,22 @@ def test_recompute_layers_reruns_exactly_the_chosen_blocks(one_rank_group):
     assert two - none == 2 * per_block
     for name, grad in grads_two.items():
         torch.testing.assert_close(grad, grads_none[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("mode", recompute.RECOMPUTE_MODES)
+def test_a_compiled_block_is_one_graph_in_every_mode(mode):
+    """A graph break inside a checkpointed block sends the whole block back to eager (dynamo cannot
+    split the checkpoint), and selective recompute's saving with it: each mode compiles in full."""
+    from models import families, spec
+    from models.context import LocalContext
+    from models.presets import get_model_config
+
+    cfg = get_model_config("tiny", "dim=64,num_heads=4,num_kv_heads=1,ffn_dim=128,num_layers=1,vocab_size=64")
+    layer = families.layers(cfg)[1]
+    params = spec.unflatten({path: spec.init_value(s, 0, path).requires_grad_()
+                             for path, s in spec.flatten(layer.params)})
+    x = torch.randn(2, 16, cfg.dim, requires_grad=True)
+    torch._dynamo.reset()
+    forward = torch.compile(recompute.wrap(layer.forward, mode), fullgraph=True, backend="eager")
+    forward(params, x, families.make_aux(cfg, torch.arange(16)), LocalContext()).sum().backward()
+    assert x.grad is not None
