@@ -5,7 +5,7 @@ benchmarks/results.jsonl that `python -m tools.bench --table` shows (the newest 
 
 Some rows were measured on code that has changed since in ways that change what they measured;
 they are listed with the reason and left out (`EXCLUDED`). The tests keep every other row within
-the targets (tests/unit/test_memory_model.py, tests/unit/test_step_time.py).
+the targets (tests/test_memory_model.py, tests/test_step_time.py).
 """
 
 from __future__ import annotations
@@ -48,13 +48,6 @@ UNTIMED = (
     (lambda data: "--fp8-experts" in data["args"] and "te" in data["args"],
      "no term for Transformer Engine's FP8 experts' casts, padding and host reads of their row counts"),
 )
-# Setups whose peak the memory model does not yet explain (tokens/s is still compared).
-UNSIZED = (
-    (lambda data: data["model"].startswith("llama4"),
-     "Llama 4 Scout's peak leaves 9 GB beside its weights, gradients and AdamW state where the model counts "
-     "26 GB at the end of backward (its 2.2B-parameter blocks' gathered copy and gradient-reduction buffers); "
-     "gpt-oss's, a third that size, match: not yet explained"),
-)
 # An untrained router on synthetic tokens sends most tokens to a few experts; under ep the rank
 # holding them sets the pace, which no model of the configuration can know.
 UNBALANCED_EP = "untrained routing under ep: the step waits for the most loaded rank"
@@ -69,7 +62,6 @@ class Row:
     layout: RunLayout
     excluded: str | None = None        # from both comparisons
     time_excluded: str | None = None   # from the tokens/s comparison only
-    memory_excluded: str | None = None  # from the peak memory comparison only
 
     @property
     def config(self) -> Config:
@@ -158,8 +150,7 @@ def _row(data: dict) -> Row:
     time_reason = next((why for applies, why in UNTIMED if applies(data)), None)
     if time_reason is None and layout.mesh.ep > 1 and "force_load_balance=true" not in layout.config.model.model_overrides:
         time_reason = UNBALANCED_EP
-    memory_reason = next((why for applies, why in UNSIZED if applies(data)), None)
-    return Row(data, layout, reason[0] if reason else None, time_reason, memory_reason)
+    return Row(data, layout, reason[0] if reason else None, time_reason)
 
 
 def row_layout(argv: list[str], gpus: int) -> RunLayout:
@@ -211,20 +202,15 @@ def validation_text(path: Path) -> str:
         if c.row.time_excluded:
             notes.setdefault(c.row.time_excluded, "abcdefgh"[len(notes)])
             time_error = f"not compared ({notes[c.row.time_excluded]})"
-        memory_error = f"{100 * c.memory_error:+.1f}%"
-        if c.row.memory_excluded:
-            notes.setdefault(c.row.memory_excluded, "abcdefgh"[len(notes)])
-            memory_error = f"not compared ({notes[c.row.memory_excluded]})"
         lines.append(f"| {r['shape']} | {r['gpus']} | {r['mesh']} | {r['seq_len']} | {r['micro_batch']}/{r['global_batch']} | "
                      f"{' '.join(run_options(r)) or '-'} | {r['peak_mem_gb']:.1f} GB | {c.memory_gb:.1f} GB | "
-                     f"{memory_error} | {r['tokens_per_sec_per_gpu']:,.0f} | "
+                     f"{100 * c.memory_error:+.1f}% | {r['tokens_per_sec_per_gpu']:,.0f} | "
                      f"{c.tokens_per_sec_per_gpu:,.0f} | {time_error} |")
     included = [c for c in comparisons if not c.row.excluded]
     timed = [c for c in included if not c.row.time_excluded]
-    sized = [c for c in included if not c.row.memory_excluded]
-    worst_memory = max(abs(c.memory_error) for c in sized)
+    worst_memory = max(abs(c.memory_error) for c in included)
     worst_time = max(abs(c.throughput_error) for c in timed)
-    lines += ["", f"Peak memory within {100 * worst_memory:.1f}% on {len(sized)} of {len(included)} rows (target "
+    lines += ["", f"Peak memory within {100 * worst_memory:.1f}% on all {len(included)} rows (target "
               f"{100 * MEMORY_TOLERANCE:.0f}%); tokens/s within {100 * worst_time:.1f}% on {len(timed)} rows (target "
               f"{100 * THROUGHPUT_TOLERANCE:.0f}%). " + " ".join(f"({letter}) {why}." for why, letter in notes.items()),
               "", "Rows left out (measured on older code):",
