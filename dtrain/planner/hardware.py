@@ -43,8 +43,9 @@ class Hardware:
     # rows per expert to reach half of it are a prior, twice the bf16 kernel's (FP8 tiles are larger,
     # so small groups leave more of them idle); its efficiency is fitted on the whole-step
     # mixtral-small row of benchmarks/results.jsonl (8 layers, micro-batch 2 of 16, balanced routing,
-    # dfada40: 53,104 tokens/s against 70,280 with bf16 experts in the same call): at that shape
-    # the casts and the kernel's own overheads cost more than the FP8 rate saves.
+    # dfada40: 53,104 tokens/s against 70,280 with bf16 experts in the same call, both with the
+    # graph break at attention that 2a34cef removed): at that shape the casts and the kernel's own
+    # overheads cost more than the FP8 rate saves.
     fp8_grouped_gemm_efficiency: float = 0.47
     fp8_grouped_gemm_half_rows: float = 812.0
     # Bytes the FP8 experts' casts move: per element of a GEMM's input and output widths and row,
