@@ -7,7 +7,7 @@ import torch
 
 from dtrain.data.dataset import TokenDataset
 from dtrain.layout import Machine
-from dtrain.planner import fsdp_time, measured, steptime
+from dtrain.planner import fsdp_time, kernels, measured, steptime
 from models import masking
 from tests.launch import REPO
 from tests.layouts import resolved
@@ -116,8 +116,8 @@ def test_attention_within_synthetic_documents_counts_the_keys_the_data_loader_gi
     document_ids = torch.cat([batch.document_ids for step in range(4)
                               for batch in dataset.micro_batches(step, 64, 64, 0, 1)])
     measured_keys = masking.attended_pairs(masking.first_keys(document_ids)) / document_ids.numel()
-    assert steptime._mean_keys(seq_len, None, mean) == pytest.approx(measured_keys, rel=0.02)
-    assert steptime._mean_keys(seq_len, None, mean) < steptime._mean_keys(seq_len, None) / 3
+    assert kernels.mean_keys(seq_len, None, mean) == pytest.approx(measured_keys, rel=0.02)
+    assert kernels.mean_keys(seq_len, None, mean) < kernels.mean_keys(seq_len, None) / 3
 
 
 def test_gradient_sums_over_micro_batches_cover_every_expert_whole_where_a_unit_reduces_once():
@@ -155,7 +155,7 @@ def test_experts_run_faster_with_more_rows_each_and_exchange_over_the_links_they
 
     wide, _ = moe("dp=16,ep=8", 16)
     narrow, _ = moe("dp=16,ep=2", 16)
-    assert steptime.expert_rows(wide) == 4 * steptime.expert_rows(narrow) == 4096 * 2
+    assert kernels.expert_rows(wide) == 4 * kernels.expert_rows(narrow) == 4096 * 2
     h100 = gpus.profile("h100-sxm")
     # Inside a node every byte crosses NVLink; an ep group of two nodes sends half over the network.
     nbytes = 1e9

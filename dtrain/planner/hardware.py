@@ -46,7 +46,7 @@ class Hardware:
     fp8_grouped_gemm_efficiency: float = 0.78
     fp8_grouped_gemm_half_rows: float = 812.0
     # Bytes the FP8 experts' casts move: per element of a GEMM's input and output widths and row,
-    # as a dense FP8 matmul's dynamic casts (steptime.FP8_CAST_BYTES); per weight element and
+    # as a dense FP8 matmul's dynamic casts (kernels.FP8_CAST_BYTES); per weight element and
     # micro-batch, two casts of each expert's weight (per output column for the forward, per
     # input column for the input gradient), each an amax read, a read and a one-byte write.
     fp8_expert_row_cast_bytes: float = 14.0
