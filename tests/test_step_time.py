@@ -55,6 +55,27 @@ def test_each_lever_moves_the_step_time_the_way_it_should():
     assert 0 < interleaved.bubble < few.bubble
 
 
+def test_the_launch_overhead_is_per_micro_batch_however_many_stages_a_rank_holds():
+    """Interleaved 1F1B runs two or four stages of each micro-batch on a rank; the measured llama-1b
+    pp=2 rows of interleaved 1F1B and looped BFS cost no more launches and host work per micro-batch
+    than those of 1F1B, one stage each."""
+    import attrs
+
+    from dtrain.planner.hardware import H200 as H200_RATES
+    from dtrain.planner.workload import workload
+
+    def overhead(virtual_stages: int) -> float:
+        interleaved = ["--pp-schedule", "interleaved-1f1b", "--pp-virtual-stages", str(virtual_stages)]
+        work = workload(resolved(["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "1", "--compile",
+                                  "--mesh", "pp=2", "--global-batch", "8",
+                                  *(interleaved if virtual_stages > 1 else [])], 2, H200))
+        slower = attrs.evolve(H200_RATES, micro_batch_overhead_s=H200_RATES.micro_batch_overhead_s + 1e-3)
+        return steptime.predict_workload(work, slower).compute - steptime.predict_workload(work, H200_RATES).compute
+
+    assert overhead(1) == pytest.approx(8 * 1e-3)  # 8 micro-batches per step
+    assert overhead(2) == pytest.approx(overhead(1)) and overhead(4) == pytest.approx(overhead(1))
+
+
 def test_collectives_across_nodes_use_the_network_bandwidth():
     from dtrain.planner.hardware import H200
 

@@ -89,8 +89,9 @@ class Hardware:
     # slower than 1F1B and interleaved 1F1B on 2 H200s (llama-1b pp=2 at seq 4096, gpipe and
     # looped-bfs with 8 and 16 micro-batches, 8bd94c4: the README's bubble table).
     breadth_first_slowdown: float = 0.15
-    # Launches and host work per micro-batch and pipeline stage (fitted on the same llama-1b pp=2
-    # rows, 8bd94c4 and 75c3da5).
+    # Launches and host work per micro-batch of a rank, however many pipeline stages it holds
+    # (fitted on the same llama-1b pp=2 rows, 8bd94c4 and 75c3da5; their interleaved 1F1B and
+    # looped BFS rows, two stages per rank, cost no more per micro-batch than 1F1B's one).
     micro_batch_overhead_s: float = 0.0037
 
     @property

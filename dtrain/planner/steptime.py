@@ -177,7 +177,7 @@ def predict_workload(work: Workload, hardware: Hardware = H200) -> StepTime:
     d, split = work.config.data, work.layout.pipeline
     m = work.num_microbatches
     per_micro_batch = [_stage_seconds(work, stage, hardware) for stage in work.stages]
-    compute = m * (sum(c for c, _ in per_micro_batch) + len(work.stages) * hardware.micro_batch_overhead_s)
+    compute = m * (sum(c for c, _ in per_micro_batch) + hardware.micro_batch_overhead_s)
     if work.mesh_spec.pp > 1 and split.schedule in ("gpipe", "looped-bfs"):
         compute *= 1 + hardware.breadth_first_slowdown
     waits: dict[str, float] = {}
