@@ -141,6 +141,23 @@ def test_attention_within_synthetic_documents_counts_the_keys_the_data_loader_gi
     assert kernels.mean_keys(seq_len, None, mean) < kernels.mean_keys(seq_len, None) / 3
 
 
+def test_a2a_context_parallelism_attends_whole_rows_over_its_share_of_the_heads():
+    """Ulysses trades the sequence split for a head split: each of cp ranks attends whole rows over
+    1/cp of the heads, as one device does over all of them, at the kernel's pace of whole rows; the
+    all-gather attends its blocks of S/cp keys, slower per FLOP."""
+    from dtrain.planner.hardware import H200 as H200_RATES
+    from dtrain.planner.workload import workload
+
+    def attention(*args: str, world: int) -> float:
+        work = workload(resolved(["--model", "llama-1b", "--seq-len", "32768", "--micro-batch", "1", "--compile",
+                                  *args], world, H200))
+        return kernels.attention_seconds(work, 0, H200_RATES)
+
+    one = attention(world=1)
+    assert attention("--mesh", "cp=2", "--cp-comm", "a2a", world=2) == pytest.approx(one / 2)
+    assert attention("--mesh", "cp=2", "--cp-comm", "allgather", world=2) > one / 2
+
+
 def test_gradient_sums_over_micro_batches_cover_every_expert_whole_where_a_unit_reduces_once():
     from dtrain.planner.workload import workload
 

@@ -65,14 +65,16 @@ def attention_seconds(work: Workload, block: int, hw: Hardware) -> float:
     """Causal attention of `block`: forward 4 FLOPs per query, key and query width over the keys
     before each query (S/2 on average; fewer in windowed and chunked layers, whose kernels skip the
     blocks outside), backward twice that (the MFU convention's 12 L d S, models/flops.py, halved);
-    slower over short keys (context-parallel blocks are S / 2cp long, windows, chunks and documents
-    as long as they are)."""
+    slower over short keys (the all-gather's and the ring's context-parallel blocks are a rank's
+    S / cp long, while a2a attends whole rows over its heads; windows, chunks and documents as long
+    as they are)."""
     d, mesh = work.config.data, work.mesh_spec
     documents = d.synthetic_document_length if d.document_mask else 0
     window, chunk = work.attention_extent(block)["window"], work.attention_extent(block)["chunk"]
     q_width = math.ceil(work.model_cfg.num_heads / mesh.tp) * work.model_cfg.head_dim
     flops = 12 * work.tokens * mean_keys(d.seq_len, window, documents, chunk) * q_width
-    keys = min(d.seq_len / mesh.cp, window or d.seq_len, chunk or d.seq_len, documents or d.seq_len)
+    row = d.seq_len if work.config.parallel.cp_comm == "a2a" else d.seq_len / mesh.cp
+    keys = min(row, window or d.seq_len, chunk or d.seq_len, documents or d.seq_len)
     rate = hw.attention_tflops * keys / (keys + hw.attention_half_seq)
     return flops / (rate * TERA)
 
