@@ -37,6 +37,19 @@ def test_candidates_fit_run_as_printed_and_come_fastest_first():
         assert memory.predict_peak(resolved(flags, 8, H200))[0].total == pytest.approx(candidate.memory.total)
 
 
+def test_cpu_offload_only_where_no_layout_fits_without_it():
+    """At 20 GB per GPU a few pipelined layouts of Llama 3 8B fit on the GPUs and most meshes fit
+    only offloaded: the search keeps the ones that fit on the GPUs. At 16 GB only offloaded
+    layouts fit."""
+    def offloaded(memory_gb: float) -> set[bool]:
+        found = search(Target(model="llama3-8b", gpus=8, seq_len=8192, global_batch=8, gpu="h100-sxm",
+                              gpu_memory_gb=memory_gb))
+        return {candidate.config.parallel.cpu_offload for candidate in found}
+
+    assert offloaded(20) == {False}
+    assert offloaded(16) == {True}
+
+
 def test_a_model_with_multi_token_prediction_is_planned_with_pipelines():
     """DeepSeek-V3's MTP layer rides with the last stage: the split holds its 61 blocks, not 62."""
     candidates = search(Target(model="deepseek-v3", gpus=256, seq_len=4096, global_batch=1024, gpu_memory_gb=141))
