@@ -49,7 +49,7 @@ class Hardware:
     fp8_grouped_gemm_efficiency: float = 0.47
     fp8_grouped_gemm_half_rows: float = 812.0
     # Bytes the FP8 experts' casts move: per element of a GEMM's input and output widths and row,
-    # as a dense FP8 matmul's dynamic casts (steptime.FP8_CAST_BYTES); per weight element and
+    # as a dense FP8 matmul's dynamic casts (kernels.FP8_CAST_BYTES); per weight element and
     # micro-batch, two casts of each expert's weight (per output column for the forward, per
     # input column for the input gradient), each an amax read, a read and a one-byte write.
     fp8_expert_row_cast_bytes: float = 14.0
@@ -92,8 +92,9 @@ class Hardware:
     # slower than 1F1B and interleaved 1F1B on 2 H200s (llama-1b pp=2 at seq 4096, gpipe and
     # looped-bfs with 8 and 16 micro-batches, 8bd94c4: the README's bubble table).
     breadth_first_slowdown: float = 0.15
-    # Launches and host work per micro-batch and pipeline stage (fitted on the same llama-1b pp=2
-    # rows, 8bd94c4 and 75c3da5).
+    # Launches and host work per micro-batch of a rank, however many pipeline stages it holds
+    # (fitted on the same llama-1b pp=2 rows, 8bd94c4 and 75c3da5; their interleaved 1F1B and
+    # looped BFS rows, two stages per rank, cost no more per micro-batch than 1F1B's one).
     micro_batch_overhead_s: float = 0.0037
 
     @property

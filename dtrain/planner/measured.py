@@ -132,6 +132,17 @@ def read_rows(path: Path, what: str = "the JSON-lines file that python -m tools.
     return rows
 
 
+def newest_mfu(path: Path, shape: str, mesh: str, options: list[str]) -> float:
+    """The MFU (%, as the benchmark tool records it) of the newest GPU row of one setup of a results
+    file: `shape` on `mesh` with exactly the dtrain flags `options` (as `run_options` lists them)."""
+    rows = [row for row in read_rows(path) if row.get("device", "cpu") != "cpu" and row["shape"] == shape
+            and row["mesh"] == mesh and run_options(row) == options]
+    if not rows:
+        raise UserError(f"{path} has no GPU row of {shape} on {mesh} with {' '.join(options) or 'no flags'}; give "
+                        f"the results file that python -m tools.bench wrote (benchmarks/results.jsonl)")
+    return rows[-1]["mfu_pct"]
+
+
 def newest_rows(path: Path) -> list[Row]:
     """The newest GPU row of each setup, in file order of their setups, with its configuration."""
     newest = {setup_key(row): row for row in read_rows(path) if row.get("device", "cpu") != "cpu"}

@@ -10,11 +10,11 @@
 
 It enumerates the meshes (meshes.py), then for each the micro-batch, the recompute mode (none,
 selective, full, or full on some blocks per stage), the data-parallel mode (FSDP resharding after
-forward or not, ZeRO-1) and CPU offload; keeps the candidates whose predicted peak (memory.py,
-the largest over the ranks) fits the GPU; and sorts them by predicted tokens/s per GPU
-(steptime.py). Choices the target fixes are not searched. A fixed mesh that fits in no way is
-still answered: its least-memory variant, with `fits` False. Each mesh's workload is built once
-and its variants derived from it, so a 16,384-GPU search takes seconds.
+forward or not, ZeRO-1) and CPU offload (kept only where no layout fits without it); keeps the
+candidates whose predicted peak (memory.py, the largest over the ranks) fits the GPU; and sorts them
+by predicted tokens/s per GPU (steptime.py). Choices the target fixes are not searched. A fixed mesh
+that fits in no way is still answered: its least-memory variant, with `fits` False. Each mesh's
+workload is built once and its variants derived from it, so a 16,384-GPU search takes seconds.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ RECOMPUTE = (("none", 0.0), ("selective", 0.0), ("none", 0.5), ("selective", 0.5
 
 
 def search(target: Target) -> list[Candidate]:
-    """The candidates that fit, fastest first; for a fixed mesh that fits in no way, its
-    least-memory variant alone, marked `fits=False`. Where a run would refuse every mesh, the
-    first mesh's refusal is raised (it names the option at fault)."""
+    """The candidates that fit, fastest first, with CPU offload only where none fits without it;
+    for a fixed mesh that fits in no way, its least-memory variant alone, marked `fits=False`.
+    Where a run would refuse every mesh, the first mesh's refusal is raised (it names the option at
+    fault)."""
     hw = target.hardware
     found, nearest, refusals, resolved = [], None, [], False
     for base in mesh_bases(target, refusals):
@@ -57,6 +58,9 @@ def search(target: Target) -> list[Candidate]:
                             f"interleaved); change --global-batch or --micro-batch")
         layout, peak, base = nearest
         return [Candidate(layout, peak, _step(base, layout, hw), target.gpus, target.gpus_per_node, target.gpu, False)]
+    # CPU offload only where no layout fits without it: where one mesh needs the host's memory and
+    # a CPU step and another does without, the one that fits on the GPUs is what to run.
+    found = [c for c in found if not c.config.parallel.cpu_offload] or found
     return sorted(found, key=lambda c: (-c.tokens_per_sec_per_gpu, c.memory.total))
 
 

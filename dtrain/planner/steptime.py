@@ -5,8 +5,9 @@
     step.seconds, step.tokens_per_sec_per_gpu, step.mfu
 
 Per micro-batch and block on a rank: the GEMMs of its weights (their shapes after the plan's
-split, in BF16 or FP8) at measured GEMM rates, causal attention, and element-wise kernels at
-device-copy bandwidth in proportion to the bytes the block saves (activations.py). Collectives
+split, in BF16 or FP8) at measured GEMM rates, causal attention (both: kernels.py), and
+element-wise kernels at device-copy bandwidth in proportion to the bytes the block saves
+(activations.py). Collectives
 cross the link their group spans (NVLink inside a node, the network across nodes): tensor,
 context and expert parallelism's collectives wait for their data; FSDP's all-gathers and
 reduce-scatters overlap the compute and cost what they do not hide, and slow the compute they
@@ -26,29 +27,19 @@ import math
 import attrs
 
 from dtrain.layout import RunLayout
-from dtrain.planner import activations
+from dtrain.planner import activations, kernels
 from dtrain.planner.activations import DTYPE_BYTES
 from dtrain.planner.fsdp_time import fsdp_exposed_seconds, optimizer_seconds
 from dtrain.planner.hardware import GIGA, H200, TERA, Hardware
 from dtrain.planner.workload import Stage, Workload, workload
 from models import flops
 from models.config import MoEConfig
-from parallel import pipeline, precision
+from parallel import pipeline
 
 # How many times a block's forward and backward run their matmuls and element-wise kernels, per
 # recompute mode: full recompute runs the forward (a third of the matmuls) and its element-wise
 # kernels again; selective keeps the matmuls' outputs and recomputes the element-wise kernels.
 MATMULS_RUN = {"none": 1.0, "selective": 1.0, "full": 4 / 3}
-# Bytes moved per element of an FP8 matmul's input and output widths and per token by its casts,
-# forward and backward. Dynamic scaling (torchao's recipes, TE's current and blockwise) reads each
-# bf16 tensor once for its amax before it casts it: fitted at 14 on the torchao tensorwise rows of
-# benchmarks/results.jsonl (llama-1b and llama-8b) and kept by TE current's and blockwise's
-# llama-1b rows. A recipe whose scale is known when it casts (TE delayed, from the amax history;
-# MXFP8, per 32-element block inside the cast kernel) skips that read of the three tensors each
-# matmul casts (its input, the input again for the weight gradient, the output's gradient), 2 bytes
-# each: 8 (TE delayed's llama-1b and mixtral-small rows agree within 3%).
-FP8_CAST_BYTES = {"tensorwise": 14.0, "rowwise": 14.0, "rowwise_with_gw_hp": 14.0, "current": 14.0,
-                  "blockwise": 14.0, "delayed": 8.0, "mxfp8": 8.0}
 ELEMENTWISE_RUN = {"none": 1.0, "selective": 4 / 3, "full": 1.5}
 
 
@@ -169,10 +160,10 @@ def _workload_ceiling(work: Workload, hw: Hardware) -> Ceiling:
     gemm = attention = 0.0
     for stage in work.stages:
         for block, mode, count in work.block_mix(stage):
-            gemm += count * MATMULS_RUN[mode] * _gemm_seconds(work, block, hw)[0]
-            attention += count * MATMULS_RUN[mode] * _attention_seconds(work, block, hw) * work.repeats(block)
+            gemm += count * MATMULS_RUN[mode] * kernels.gemm_seconds(work, block, hw)[0]
+            attention += count * MATMULS_RUN[mode] * kernels.attention_seconds(work, block, hw) * work.repeats(block)
         if stage.last:
-            gemm += _head_gemm_seconds(work, hw)[0] * (1 + work.mtp_depth)
+            gemm += kernels.head_gemm_seconds(work, hw)[0] * (1 + work.mtp_depth)
     m, split = work.num_microbatches, work.layout.pipeline
     gemm, attention = m * gemm, m * attention
     bubble_share = pipeline.bubble_fraction(split.schedule, work.mesh_spec.pp, split.virtual_stages, m)
@@ -186,7 +177,7 @@ def predict_workload(work: Workload, hardware: Hardware = H200) -> StepTime:
     d, split = work.config.data, work.layout.pipeline
     m = work.num_microbatches
     per_micro_batch = [_stage_seconds(work, stage, hardware) for stage in work.stages]
-    compute = m * (sum(c for c, _ in per_micro_batch) + len(work.stages) * hardware.micro_batch_overhead_s)
+    compute = m * (sum(c for c, _ in per_micro_batch) + hardware.micro_batch_overhead_s)
     if work.mesh_spec.pp > 1 and split.schedule in ("gpipe", "looped-bfs"):
         compute *= 1 + hardware.breadth_first_slowdown
     waits: dict[str, float] = {}
@@ -224,7 +215,7 @@ def _stage_seconds(work: Workload, stage: Stage, hw: Hardware) -> tuple[float, d
     ends = stage.first + stage.last
     if stage.last:
         # Each MTP module's prediction runs the head and its loss once more.
-        compute += _head_seconds(work, hw) * (1 + work.mtp_depth)
+        compute += kernels.head_seconds(work, hw) * (1 + work.mtp_depth)
     if mesh.tp > 1 and ends:
         waits["tp"] = waits.get("tp", 0.0) + ends * _allreduce(work.tokens * _residual_bytes(work), mesh.tp,
                                                                   hw.link_gb_s(mesh.tp), hw)
@@ -243,8 +234,8 @@ def _residual_bytes(work: Workload) -> float:
 def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple[float, dict[str, float]]:
     """One micro-batch of one block on this rank: compute and waited-for collectives per mesh dim."""
     mesh, t = work.mesh_spec, work.config.train
-    gemm, casts = _gemm_seconds(work, block, hw)
-    attention = _attention_seconds(work, block, hw)
+    gemm, casts = kernels.gemm_seconds(work, block, hw)
+    attention = kernels.attention_seconds(work, block, hw)
     masked = work.config.data.document_mask or any(work.attention_extent(block).values())
     if mesh.cp > 1 and work.config.parallel.cp_comm == "ring" and masked:
         attention *= hw.masked_ring_slowdown
@@ -268,74 +259,6 @@ def _block_seconds(work: Workload, block: int, mode: str, hw: Hardware) -> tuple
     if moe and mesh.ep > 1:
         waits["ep"] = _expert_parallel_seconds(work, hw) * (1.5 if mode == "full" else 1)
     return compute, {dim: seconds * work.repeats(block) for dim, seconds in waits.items()}
-
-
-def _gemm_seconds(work: Workload, block: int, hw: Hardware) -> tuple[float, float]:
-    """The block's matmuls (forward and backward: 6 FLOPs per weight element and row) with the
-    weights' shapes on this rank, and the casts of FP8 matmuls' inputs; routed experts see top_k
-    rows per token of the tp rank's share."""
-    fp8, t = block in work.fp8_blocks, work.config.train
-    gemm = casts = 0.0
-    for shape, is_expert, axes in work.weights_by_kind[work.block_kinds[block]]:
-        flops = 6 * math.prod(shape[-2:]) * work.tokens
-        smaller = min(shape[-2:])
-        rate = hw.gemm_tflops * smaller / (smaller + hw.gemm_half_dim)
-        if is_expert:
-            routed_rows = work.tokens / work.mesh_spec.tp * work.model_cfg.top_k
-            expert_gemm, expert_casts = hw.expert_matmul_seconds(shape, routed_rows, expert_rows(work),
-                                                                 fp8=block in work.fp8_expert_blocks)
-            gemm, casts = gemm + expert_gemm, casts + expert_casts
-            continue
-        if fp8 and precision.is_fp8_matmul_weight(axes):
-            rate = hw.fp8_gemm_tflops * smaller / (smaller + hw.gemm_half_dim)
-            # Dynamic scaling reads each input and output gradient for its amax and writes its casts.
-            casts += FP8_CAST_BYTES[t.fp8] * sum(shape[-2:]) * work.tokens / (hw.hbm_tb_s * TERA)
-        gemm += flops / (rate * TERA)
-    return gemm, casts
-
-
-def expert_rows(work: Workload) -> float:
-    """Rows each local expert runs per micro-batch under balanced routing: the top_k slots of the
-    tokens of the ep ranks that send to it (each tp rank's share)."""
-    cfg: MoEConfig = work.model_cfg
-    return work.tokens / work.mesh_spec.tp * cfg.top_k * work.mesh_spec.ep / cfg.num_experts
-
-
-def _attention_seconds(work: Workload, block: int, hw: Hardware) -> float:
-    """Causal attention of `block`: forward 4 FLOPs per query, key and query width over the keys
-    before each query (S/2 on average; fewer in windowed and chunked layers, whose kernels skip the
-    blocks outside), backward twice that (the MFU convention's 12 L d S, models/flops.py, halved);
-    slower over short keys (context-parallel blocks are S / 2cp long, windows, chunks and documents
-    as long as they are)."""
-    d, mesh = work.config.data, work.mesh_spec
-    documents = d.synthetic_document_length if d.document_mask else 0
-    window, chunk = work.attention_extent(block)["window"], work.attention_extent(block)["chunk"]
-    q_width = math.ceil(work.model_cfg.num_heads / mesh.tp) * work.model_cfg.head_dim
-    flops = 12 * work.tokens * _mean_keys(d.seq_len, window, documents, chunk) * q_width
-    keys = min(d.seq_len / mesh.cp, window or d.seq_len, chunk or d.seq_len, documents or d.seq_len)
-    rate = hw.attention_tflops * keys / (keys + hw.attention_half_seq)
-    return flops / (rate * TERA)
-
-
-def _mean_keys(seq_len: int, window: int | None, document_length: int = 0, chunk: int | None = None) -> float:
-    """Keys a causal query attends to on average: (S + 1) / 2, or fewer under a sliding window
-    (the kernels skip the blocks outside it), within chunks of absolute positions (a query sees
-    its chunk's keys up to itself), or within packed documents of random lengths with mean
-    `document_length` (the synthetic data's: each token starts a new document with probability
-    1 / mean, so a query sees min(its document's age, its position) + 1 keys); with several, the
-    fewest."""
-    if window is None or window >= seq_len:
-        causal = (seq_len + 1) / 2
-    else:
-        causal = (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
-    if chunk is not None and chunk < seq_len:
-        whole, rest = divmod(seq_len, chunk)
-        causal = min(causal, (whole * chunk * (chunk + 1) / 2 + rest * (rest + 1) / 2) / seq_len)
-    if not document_length:
-        return causal
-    stay = 1 - 1 / document_length  # a token continues its document
-    within = 1 + stay * document_length * (1 - (1 - stay ** seq_len) / (seq_len / document_length))
-    return min(causal, within)
 
 
 def _context_parallel_seconds(work: Workload, attention: float, hw: Hardware) -> float:
@@ -378,41 +301,6 @@ def _expert_parallel_seconds(work: Workload, hw: Hardware) -> float:
 # A host read of device data: the launch queue drains and refills.
 HOST_SYNC_S = 100e-6
 
-
-def _head_seconds(work: Workload, hw: Hardware) -> float:
-    """Output projection and cross-entropy: the logits are read and written a few times (fused
-    with the loss on one tp rank, or a chunk of tokens at a time; fp32 log-probabilities under tp
-    or without compile). Chunked, each chunk's share of the weight gradient is also added to an
-    fp32 sum."""
-    cfg, mesh, t = work.model_cfg, work.mesh_spec, work.config.train
-    vocab = math.ceil(cfg.vocab_size / mesh.tp)
-    gemm, casts = _head_gemm_seconds(work, hw)
-    b = DTYPE_BYTES[t.precision]
-    fused = t.compile and (mesh.tp == 1 or t.loss_chunk_tokens > 0)
-    moved = work.tokens * vocab * (4 * b if fused else 24)
-    chunk = _loss_chunk(work)
-    if chunk:
-        # Each later chunk's weight-gradient GEMM output, read with the fp32 sum, which is written.
-        moved += (math.ceil(work.tokens / chunk) - 1) * vocab * cfg.dim * (b + 8)
-    return gemm + casts + moved / (hw.hbm_tb_s * TERA)
-
-
-def _head_gemm_seconds(work: Workload, hw: Hardware) -> tuple[float, float]:
-    """The output projection's matmuls on this rank's vocab shard (as small as a loss chunk), and
-    its FP8 casts (--fp8-head)."""
-    cfg, t = work.model_cfg, work.config.train
-    vocab = math.ceil(cfg.vocab_size / work.mesh_spec.tp)
-    smaller = min(vocab, cfg.dim, _loss_chunk(work) or vocab)
-    fp8 = t.fp8 is not None and t.fp8_head
-    rate = (hw.fp8_gemm_tflops if fp8 else hw.gemm_tflops) * smaller / (smaller + hw.gemm_half_dim)
-    casts = FP8_CAST_BYTES[t.fp8] * (vocab + cfg.dim) * work.tokens / (hw.hbm_tb_s * TERA) if fp8 else 0.0
-    return 6 * work.tokens * vocab * cfg.dim / (rate * TERA), casts
-
-
-def _loss_chunk(work: Workload) -> int | None:
-    """Tokens per chunk of the head under --loss-chunk-tokens (None: unfused)."""
-    chunk = work.config.train.loss_chunk_tokens
-    return min(chunk, work.tokens) if chunk else None
 
 
 def _allreduce(size: float, ranks: int, link_gb_s: float, hw: Hardware) -> float:

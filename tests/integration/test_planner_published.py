@@ -4,6 +4,7 @@ its recorded gap says, and the search at the same GPUs reaches the published lay
 
 from __future__ import annotations
 
+
 import pytest
 
 from dtrain.config import load_config

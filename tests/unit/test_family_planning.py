@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from dtrain.inspect.dry_run import dry_run
 from dtrain.layout import Machine
-from dtrain.planner import steptime
+from dtrain.planner import kernels
 from dtrain.planner.hardware import H200
 from dtrain.planner.workload import workload
 from tests.layouts import resolved
@@ -26,7 +26,7 @@ def _work(model: str, seq_len: int, *args: str):
 def test_windowed_and_chunked_layers_take_the_attention_time_of_their_keys():
     # gpt-oss: windows of 128 on even layers; the kernel skips the blocks outside the window.
     work = _work("gpt-oss-20b", 8192, "--model-overrides", "num_layers=2")
-    window, full = (steptime._attention_seconds(work, block, H200) for block in (0, 1))
+    window, full = (kernels.attention_seconds(work, block, H200) for block in (0, 1))
     assert work.attention_kinds == ("window", "full")
     # Fewer keys, though at a lower rate (short key ranges run slower): 128 keys against 4096 on average.
     assert window < full / 1.5
@@ -35,15 +35,15 @@ def test_windowed_and_chunked_layers_take_the_attention_time_of_their_keys():
     assert sorted(kind for kind in (work.attention_kinds[b] for b, _, _ in work.block_mix(stage))) == ["full", "window"]
     # Llama 4: chunks of 8192 on three layers of four, NoPE layers attend to the whole sequence.
     work = _work("llama4-scout-17b-16e", 32768, "--model-overrides", "num_layers=4")
-    chunk, nope = (steptime._attention_seconds(work, block, H200) for block in (0, 3))
+    chunk, nope = (kernels.attention_seconds(work, block, H200) for block in (0, 3))
     assert work.attention_kinds == ("chunk", "chunk", "chunk", "nope")
     # A quarter of the keys, at a somewhat lower rate over 8192-key ranges.
-    keys_share = steptime._mean_keys(32768, None, 0, 8192) / steptime._mean_keys(32768, None)
+    keys_share = kernels.mean_keys(32768, None, 0, 8192) / kernels.mean_keys(32768, None)
     assert keys_share == pytest.approx(0.25, rel=1e-3)
     assert nope * keys_share < chunk < nope * 2 * keys_share
     # Keys per query within chunks: (C + 1) / 2 where the sequence is whole chunks.
-    assert steptime._mean_keys(32768, None, 0, 8192) == (8192 + 1) / 2
-    assert steptime._mean_keys(4096, None, 0, 8192) == steptime._mean_keys(4096, None)
+    assert kernels.mean_keys(32768, None, 0, 8192) == (8192 + 1) / 2
+    assert kernels.mean_keys(4096, None, 0, 8192) == kernels.mean_keys(4096, None)
 
 
 def test_dense_and_moe_blocks_are_costed_apart():
@@ -54,7 +54,7 @@ def test_dense_and_moe_blocks_are_costed_apart():
     axes = {kind: {axes for _, _, axes in work.weights_by_kind[kind]} for kind in ("dense", "moe")}
     assert ("mlp", "embed") in axes["dense"] and ("expert", "expert_mlp", "embed") in axes["moe"]
     assert ("mlp", "embed") not in axes["moe"]
-    dense, moe = (steptime._gemm_seconds(work, block, H200)[0] for block in (0, 1))
+    dense, moe = (kernels.gemm_seconds(work, block, H200)[0] for block in (0, 1))
     assert dense != moe
 
 

@@ -38,6 +38,19 @@ def test_candidates_fit_run_as_printed_and_come_fastest_first():
         assert memory.predict_peak(resolved(flags, 8, H200))[0].total == pytest.approx(candidate.memory.total)
 
 
+def test_cpu_offload_only_where_no_layout_fits_without_it():
+    """At 20 GB per GPU a few pipelined layouts of Llama 3 8B fit on the GPUs and most meshes fit
+    only offloaded: the search keeps the ones that fit on the GPUs. At 16 GB only offloaded
+    layouts fit."""
+    def offloaded(memory_gb: float) -> set[bool]:
+        found = search(Target(model="llama3-8b", gpus=8, seq_len=8192, global_batch=8, gpu="h100-sxm",
+                              gpu_memory_gb=memory_gb))
+        return {candidate.config.parallel.cpu_offload for candidate in found}
+
+    assert offloaded(20) == {False}
+    assert offloaded(16) == {True}
+
+
 def test_a_thousand_gpu_search_takes_seconds():
     started = time.perf_counter()
     candidates = search(Target(model="llama3.1-405b", gpus=1024, seq_len=8192, global_batch=1024, gpu_memory_gb=80))
@@ -137,8 +150,8 @@ def test_validate_writes_its_table_into_the_readme_between_markers(tmp_path, cap
     assert planner_cli.main(["--validate", str(REPO / "benchmarks" / "results.jsonl"), "--readme", str(readme)]) == 0
     text = readme.read_text()
     assert "STALE TABLE" not in text and text.startswith("intro\n") and text.endswith("outro\n")
-    assert "| llama-1b | 1 | single | 4096 | 4/4 | --compile | 45.8 GB |" in text
-    assert "Rows left out" in text and "a5c908e" in text
+    assert "| llama-1b | 1 | single | 4096 | 4/4 | --compile --fp8 tensorwise | 39.4 GB |" in text
+    assert "Rows left out" in text and "a5c908e" in text and "- llama-1b single seq 4096 4/4 --compile (dfada40)" in text
     assert capsys.readouterr().out.strip() in text
 
 

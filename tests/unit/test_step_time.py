@@ -7,7 +7,7 @@ import torch
 
 from dtrain.data.dataset import TokenDataset
 from dtrain.layout import Machine
-from dtrain.planner import fsdp_time, measured, steptime
+from dtrain.planner import fsdp_time, kernels, measured, steptime
 from models import masking
 from tests.launch import REPO
 from tests.layouts import resolved
@@ -54,6 +54,27 @@ def test_each_lever_moves_the_step_time_the_way_it_should():
     interleaved = _step("--mesh", "pp=4,dp=2", "--global-batch", "8", "--pp-schedule", "interleaved-1f1b",
                         "--pp-virtual-stages", "2")
     assert 0 < interleaved.bubble < few.bubble
+
+
+def test_the_launch_overhead_is_per_micro_batch_however_many_stages_a_rank_holds():
+    """Interleaved 1F1B runs two or four stages of each micro-batch on a rank; the measured llama-1b
+    pp=2 rows of interleaved 1F1B and looped BFS cost no more launches and host work per micro-batch
+    than those of 1F1B, one stage each."""
+    import attrs
+
+    from dtrain.planner.hardware import H200 as H200_RATES
+    from dtrain.planner.workload import workload
+
+    def overhead(virtual_stages: int) -> float:
+        interleaved = ["--pp-schedule", "interleaved-1f1b", "--pp-virtual-stages", str(virtual_stages)]
+        work = workload(resolved(["--model", "llama-1b", "--seq-len", "4096", "--micro-batch", "1", "--compile",
+                                  "--mesh", "pp=2", "--global-batch", "8",
+                                  *(interleaved if virtual_stages > 1 else [])], 2, H200))
+        slower = attrs.evolve(H200_RATES, micro_batch_overhead_s=H200_RATES.micro_batch_overhead_s + 1e-3)
+        return steptime.predict_workload(work, slower).compute - steptime.predict_workload(work, H200_RATES).compute
+
+    assert overhead(1) == pytest.approx(8 * 1e-3)  # 8 micro-batches per step
+    assert overhead(2) == pytest.approx(overhead(1)) and overhead(4) == pytest.approx(overhead(1))
 
 
 def test_collectives_across_nodes_use_the_network_bandwidth():
@@ -117,8 +138,25 @@ def test_attention_within_synthetic_documents_counts_the_keys_the_data_loader_gi
     document_ids = torch.cat([batch.document_ids for step in range(4)
                               for batch in dataset.micro_batches(step, 64, 64, 0, 1)])
     measured_keys = masking.attended_pairs(masking.first_keys(document_ids)) / document_ids.numel()
-    assert steptime._mean_keys(seq_len, None, mean) == pytest.approx(measured_keys, rel=0.02)
-    assert steptime._mean_keys(seq_len, None, mean) < steptime._mean_keys(seq_len, None) / 3
+    assert kernels.mean_keys(seq_len, None, mean) == pytest.approx(measured_keys, rel=0.02)
+    assert kernels.mean_keys(seq_len, None, mean) < kernels.mean_keys(seq_len, None) / 3
+
+
+def test_a2a_context_parallelism_attends_whole_rows_over_its_share_of_the_heads():
+    """Ulysses trades the sequence split for a head split: each of cp ranks attends whole rows over
+    1/cp of the heads, as one device does over all of them, at the kernel's pace of whole rows; the
+    all-gather attends its blocks of S/cp keys, slower per FLOP."""
+    from dtrain.planner.hardware import H200 as H200_RATES
+    from dtrain.planner.workload import workload
+
+    def attention(*args: str, world: int) -> float:
+        work = workload(resolved(["--model", "llama-1b", "--seq-len", "32768", "--micro-batch", "1", "--compile",
+                                  *args], world, H200))
+        return kernels.attention_seconds(work, 0, H200_RATES)
+
+    one = attention(world=1)
+    assert attention("--mesh", "cp=2", "--cp-comm", "a2a", world=2) == pytest.approx(one / 2)
+    assert attention("--mesh", "cp=2", "--cp-comm", "allgather", world=2) > one / 2
 
 
 def test_gradient_sums_over_micro_batches_cover_every_expert_whole_where_a_unit_reduces_once():
@@ -156,7 +194,7 @@ def test_experts_run_faster_with_more_rows_each_and_exchange_over_the_links_they
 
     wide, _ = moe("dp=16,ep=8", 16)
     narrow, _ = moe("dp=16,ep=2", 16)
-    assert steptime.expert_rows(wide) == 4 * steptime.expert_rows(narrow) == 4096 * 2
+    assert kernels.expert_rows(wide) == 4 * kernels.expert_rows(narrow) == 4096 * 2
     h100 = gpus.profile("h100-sxm")
     # Inside a node every byte crosses NVLink; an ep group of two nodes sends half over the network.
     nbytes = 1e9
