@@ -1,11 +1,8 @@
-"""dtrain's context-parallel attention (allgather, ring, a2a) against full causal attention of the
-unsplit sequence, plain and within documents, sliding windows and chunks, with and without attention
-sinks (the dense mask on one device):
-output and dq/dk/dv on every rank, fp32 on CPU with gloo, relative error <= 1e-5.
-One spawned process group per cp size runs every case (tests/workers/cp_attention.py).
-The ring's block kernels (out + log-sum-exp forward, backward from the merged out and lse) are checked
-one block at a time against math attention; on 2 GPUs (marked gpu) the ring runs in bf16 with each of
-the cuDNN and flash kernels against full fp32 attention on one GPU."""
+"""Context parallelism's pieces in one process: the load-balanced split of a sequence (each rank
+holds chunk i and its mirror), the one-line errors for an unknown method or a sequence that does
+not divide, and the ring's block kernels (out + log-sum-exp forward, backward from the merged out
+and lse) one block at a time against math attention. Every method on spawned ranks against full
+attention: tests/integration/test_context_parallel_attention.py."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The DeepSeek family through the CLI: tiny-mla (MLA with query compression and YaRN, group-limited
-sigmoid routing with the selection bias and its updates, shared experts, a dense first layer,
-one MTP module) on every parallel dimension against one process (CPU, gloo, fp32, 6 steps,
-relative difference <= 2e-4 at every step of the loss, the gradient norm and the MTP loss), on
-packed documents with their masks, positions and a sliding window, which MLA and the MTP block
-read per micro-batch (plain causal MLA on cp: tests/unit/test_context_parallel_attention.py).
-
-pp=2 puts the MTP layer on the last stage with a copy of the embedding it shares; cp=2 gives each
-rank the tokens ahead of its own chunks, taken from the whole sequences. A gradient norm that
-matches at every step also checks that the embedding's two copies stay one parameter."""
+"""The DeepSeek family's settings checked before a run: bad MLA, routing or MTP options are one-line
+errors, and --print-plan keeps the latent projections whole while it splits the heads; its loss
+parity on every mesh runs in tests/integration/test_deepseek_training.py."""
 
 import pytest
 

@@ -1,10 +1,8 @@
-"""Hugging Face Llama 4 interop: dtrain on weights transformers saved, as Llama4ForCausalLM and as the
-published Llama4ForConditionalGeneration (its vision tower left out), gives the text model's logits
-and loss (chunked RoPE layers with the L2 qk-norm, NoPE layers with the temperature, interleaved
-RoPE rows, dense and MoE blocks alternating, the sigmoid top-1 router scaling the expert's input,
-the shared expert, Scout's RoPE scaling); 10 steps of --init-from-hf training give transformers'
-losses, gradient norms and weights; HF -> dtrain -> HF is bit-exact, and transformers loads the
-export with no missing or unexpected keys."""
+"""Hugging Face Llama 4 interop in one process: dtrain on weights transformers saved, as
+Llama4ForCausalLM and as the published Llama4ForConditionalGeneration (its vision tower left out),
+gives the text model's logits and loss; HF -> dtrain -> HF is bit-exact and transformers loads the
+export; what dtrain cannot read is one line. Ten training steps against transformers:
+tests/integration/test_hf_llama4.py."""
 
 from __future__ import annotations
 

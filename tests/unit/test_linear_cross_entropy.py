@@ -1,10 +1,8 @@
-"""The chunked output projection and cross-entropy (--loss-chunk-tokens): loss and gradients equal
-to the unfused path's (fp32, 1e-6 relative) for chunks that divide the tokens and chunks that do
-not, with ignored labels, and through DeepSeek's multi-token prediction; in bf16 about as accurate
-as the unfused path; no gradient work where no backward comes; under compile, the head's graph
-ending at the chunk loop and each chunk's element-wise part one graph per chunk shape; a head whose
-peak memory stays below one micro-batch of fp32 logits; and training losses of one process and of
-tp=2 (eager with evaluations, and compiled) equal to the unfused run's."""
+"""The chunked output projection and cross-entropy (--loss-chunk-tokens) in one process: loss and
+gradients equal to the unfused path's (fp32, 1e-6 relative) for chunks that divide the tokens and
+chunks that do not, the bf16 gradients scaled in fp32, no gradient work where no backward comes,
+and a head whose peak memory stays below one micro-batch of fp32 logits. Compiled, with MTP and
+in training runs: tests/integration/test_linear_cross_entropy.py."""
 
 from __future__ import annotations
 
