@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from parallel.precision import Float8Linear
 from tests.unit.test_fused_projection import OUTS, _inputs
+from tests.unit.test_fused_projection import one_rank_context  # noqa: F401  (a fixture of these tests)
 
 
 def test_fp8_fused_projections_run_one_fp8_matmul(one_rank_context):

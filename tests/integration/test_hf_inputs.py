@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tools import hf_convert
 from tests.unit.test_hf_inputs import _tree, _refused
+from tests.unit.test_hf_inputs import hf_dir  # noqa: F401  (a fixture of these tests)
 
 
 def test_import_into_a_run_directory_is_refused_and_deletes_nothing(hf_dir, tmp_path, capsys):

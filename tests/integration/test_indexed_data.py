@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 from dtrain.data import BUNDLED_TOKENIZER
 from dtrain.data.indexed import IndexedDataset
 from tools.preprocess_data import preprocess
+from tests.unit.test_indexed_data import jsonl  # noqa: F401  (a fixture of these tests)
 
 
 @pytest.mark.parametrize("workers", [1, 2])

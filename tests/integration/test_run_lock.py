@@ -17,6 +17,7 @@ from models.errors import UserError
 from dtrain.run import main
 from tests.launch import TINY_ARGS
 from tests.unit.test_run_lock import _holder
+from tests.unit.test_run_lock import no_job  # noqa: F401  (a fixture of these tests)
 
 
 def test_a_live_process_keeps_the_lock_and_a_dead_or_reused_pid_loses_it(tmp_path, no_job, caplog):

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from parallel import recompute, tensor_parallel
 from tests.launch import run_cli, train_scalars
 from tests.unit.test_tensor_parallel_overlap import SEQ, _block
+from tests.unit.test_tensor_parallel_overlap import tp2  # noqa: F401  (a fixture of these tests)
 
 
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
