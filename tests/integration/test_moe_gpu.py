@@ -8,7 +8,11 @@ against the emulation the CPU runs (tests/integration/test_fp8_experts.py checks
 
 from __future__ import annotations
 
+import pytest
+
 from tests.unit.test_moe_gpu import SHAPE, _needs_fp8
+
+pytestmark = pytest.mark.gpu
 
 
 def test_fp8_experts_train_beside_bf16_experts(tmp_path):
