@@ -99,14 +99,15 @@ def _log_to_stderr() -> None:
 def _check_launched(mesh: str) -> None:
     """A mesh of several ranks in one plain process: the user meant --nproc-per-node, or a dry run."""
     from dtrain import distributed
+    from dtrain.launch import local
     from parallel.mesh import MeshSpec
 
     if distributed.launched_by_torchrun() or mesh in ("", "auto"):
         return
     ranks = MeshSpec.parse(mesh, None).world_size
     if ranks > 1:
-        raise UserError(f"--mesh {mesh} spans {ranks} ranks but this is one process: start them with python -m "
-                        f"dtrain.run --nproc-per-node {ranks} ..., or check the layout on this machine with "
+        raise UserError(f"--mesh {mesh} spans {ranks} ranks but this is one process: start them with "
+                        f"{local.command(ranks)} ..., or check the layout on this machine with "
                         f"--dry-run (every rank's memory and collectives) or --print-plan")
 
 

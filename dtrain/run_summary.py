@@ -7,15 +7,15 @@ import os
 import shlex
 from pathlib import Path
 
+from dtrain.launch import local
+
 
 def launcher(world_size: int) -> str:
     """How to start this run again, as the start of a command line: plain Python for one process,
     dtrain's own launcher for the processes of one node; several nodes keep their own launcher."""
-    if world_size == 1:
-        return "python -m dtrain.run"
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if per_node == world_size:
-        return f"python -m dtrain.run --nproc-per-node {world_size}"
+        return local.command(world_size)
     return "<this job's launcher> -m dtrain.run"
 
 

@@ -41,6 +41,11 @@ _FAILED = "failed (exitcode: "  # exit code, local rank, pid, command
 _RESTARTING = "[%s] Worker group %s. "  # role, state, restarts left, restarts in all
 
 
+def command(ranks: int) -> str:
+    """The start of the command line that runs `ranks` ranks of dtrain on one machine."""
+    return "python -m dtrain.run" + (f" {NPROC} {ranks}" if ranks > 1 else "")
+
+
 @attrs.frozen
 class Launch:
     nproc_per_node: int

@@ -7,6 +7,7 @@ from __future__ import annotations
 import attrs
 
 from dtrain.config import Config, TrainArgs
+from dtrain.launch import local
 from dtrain.layout import Machine, RunLayout
 from dtrain.planner import gpus, memory, steptime
 from dtrain.planner.hardware import GIGA, H200, Hardware
@@ -105,7 +106,7 @@ class Candidate:
         if nodes > 1:
             return (f"torchrun --nnodes {nodes} --nproc_per_node {per_node} --rdzv-backend c10d --rdzv-endpoint "
                     f"$HEAD_NODE:29500 -m dtrain.run {flags}")
-        return f"python -m dtrain.run {f'--nproc-per-node {per_node} ' if per_node > 1 else ''}{flags}"
+        return f"{local.command(per_node)} {flags}"
 
     def as_json(self) -> dict:
         p, t = self.config.parallel, self.config.train
